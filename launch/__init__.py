@@ -1,0 +1,1 @@
+"""How the service runs for real: local pods, schedulers, exit codes and restart policy."""

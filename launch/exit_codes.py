@@ -1,0 +1,20 @@
+"""Exit codes shared by the trainer, the verifier and every launcher.
+
+A scheduler's restart policy keys on these: PREEMPTED means "the state is saved, requeue me";
+FAILURE means something broke and a blind restart may loop; BAD_INPUT means a person must
+change the command (nothing was deleted, overwritten or partially restored).
+"""
+
+import sys
+
+OK = 0
+FAILURE = 1  # a crash, a failed verdict (verifier), a dead or stuck peer, a save that missed its deadline
+BAD_INPUT = 2  # bad flags, a checkpoint that does not match the program, an unusable workdir
+PREEMPTED = 75  # EX_TEMPFAIL: preempted, the final checkpoint committed, requeue me
+
+
+def exit_bad_input(error: Exception) -> None:
+    """One line on stderr naming what is wrong, then exit BAD_INPUT."""
+    sys.stderr.write(f"error: {error}\n")
+    sys.stderr.flush()
+    sys.exit(BAD_INPUT)

@@ -1,0 +1,50 @@
+"""`python -m trainer.train` as a user runs it: it trains, and bad flags exit 2 with one line."""
+
+import os
+
+import pytest
+
+from tests import helpers
+from trainer import loop
+
+
+def test_trainer_runs_and_logs_losses(workdir):
+    result = helpers.run_module("trainer.train", f"--workdir={workdir}", "--mesh=data=4,model=2", "--steps=20",
+                                "--log_every_steps=10")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(loop.read_metrics(workdir)) == list(range(20))
+    assert "done: 20 steps" in result.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh=data=3"], "has 3 devices but 8 are visible"),
+    (["--mesh=data=4,pipe=2"], "unknown axis 'pipe'"),
+    (["--mesh=data=8", "--batch_size=12"], "not divisible by the data axis"),
+    (["--steps=0"], "steps"),
+    (["--steps=-3"], "steps"),
+    (["--model=rnn"], "model"),
+    (["--mesh=data=x"], "positive integer size"),
+])
+def test_bad_flags_exit_2_with_one_line(workdir, flags, message):
+    result = helpers.run_module("trainer.train", f"--workdir={workdir}", *flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_workdir_that_is_a_file_exits_2(tmp_path):
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    result = helpers.run_module("trainer.train", f"--workdir={path}")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: --workdir={path} exists and is not a directory"
+    assert path.read_text() == "not a directory"
+
+
+def test_unwritable_workdir_exits_2(tmp_path):
+    # Root ignores permission bits, so make the workdir's parent a file: mkdir fails for anyone.
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    result = helpers.run_module("trainer.train", f"--workdir={blocker}/run")
+    assert result.returncode == 2
+    assert "is not writable" in result.stderr and len(result.stderr.strip().splitlines()) == 1

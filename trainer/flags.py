@@ -1,0 +1,47 @@
+"""absl flags for the trainer and verifier, and the one place they become a TrainConfig."""
+
+import dataclasses
+
+from absl import flags
+
+from launch import exit_codes
+from trainer.config import ConfigError, TrainConfig, parse_mesh
+
+_DEFAULTS = TrainConfig()
+
+WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, verdicts and metrics (local path or gs://).")
+MESH = flags.DEFINE_string("mesh", "", "Axis sizes by name, e.g. data=4,model=2; a missing axis is 1; "
+                           "the product must equal the device count. Empty: data=<all devices>.")
+_FIELDS = {
+    "model": flags.DEFINE_enum("model", _DEFAULTS.model, ["mlp", "transformer"], "Model to train."),
+    "steps": flags.DEFINE_integer("steps", _DEFAULTS.steps, "Total steps of the run.", lower_bound=1),
+    "batch_size": flags.DEFINE_integer("batch_size", _DEFAULTS.batch_size, "Global batch size.", lower_bound=1),
+    "learning_rate": flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Adam step size."),
+    "seed": flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the init and of every batch."),
+    "log_every_steps": flags.DEFINE_integer("log_every_steps", _DEFAULTS.log_every_steps,
+                                            "Pull losses to the host and log them this often.", lower_bound=1),
+    "input_dim": flags.DEFINE_integer("input_dim", _DEFAULTS.input_dim, "mlp: features per example.", lower_bound=1),
+    "hidden_dim": flags.DEFINE_integer("hidden_dim", _DEFAULTS.hidden_dim,
+                                       "mlp hidden width / transformer model width.", lower_bound=1),
+    "num_layers": flags.DEFINE_integer("num_layers", _DEFAULTS.num_layers,
+                                       "mlp hidden layers / transformer blocks.", lower_bound=1),
+    "num_heads": flags.DEFINE_integer("num_heads", _DEFAULTS.num_heads, "transformer: attention heads.", lower_bound=1),
+    "seq_len": flags.DEFINE_integer("seq_len", _DEFAULTS.seq_len, "transformer: tokens per example.", lower_bound=1),
+    "vocab_size": flags.DEFINE_integer("vocab_size", _DEFAULTS.vocab_size, "transformer: vocabulary.", lower_bound=2),
+}
+
+
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+    """absl's parser, but a bad flag is one line on stderr and exit code 2 (absl's own is 1)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        exit_codes.exit_bad_input(err)
+
+
+def config_from_flags(**extra) -> TrainConfig:
+    """The TrainConfig the parsed flags describe (not yet checked against the devices)."""
+    if not WORKDIR.value:
+        raise ConfigError("--workdir is required")
+    values = {name: flag.value for name, flag in _FIELDS.items()}
+    return dataclasses.replace(_DEFAULTS, workdir=WORKDIR.value, mesh=parse_mesh(MESH.value), **values, **extra)

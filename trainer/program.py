@@ -1,0 +1,64 @@
+"""Everything one config compiles on one mesh: the trainer and the verifier each build one.
+
+One owner for the compiled pieces: the init, the donated step and the batch function, with
+the state shardings they agree on and the abstract state a restore targets.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from trainer import data, models, state as state_lib, step as step_lib
+from trainer.config import MESH_AXES, TrainConfig
+
+
+def build_mesh(config: TrainConfig, devices=None) -> Mesh:
+    """The ('data', 'model') mesh of the config over all (or the given) devices."""
+    sizes = config.mesh_shape()
+    # Auto axes: shardings are given explicitly at the jit boundaries and XLA partitions inside.
+    return jax.make_mesh(tuple(sizes[name] for name in MESH_AXES), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    config: TrainConfig
+    mesh: Mesh
+    abstract_state: state_lib.TrainState  # ShapeDtypeStructs carrying this mesh's shardings.
+    state_shardings: state_lib.TrainState
+    batch_sharding: NamedSharding
+    init_fn: Callable[[], state_lib.TrainState]
+    step_fn: Callable[[state_lib.TrainState, Any], tuple[state_lib.TrainState, jax.Array]]
+    batch_fn: Callable[[int], Any]
+
+
+def build_program(config: TrainConfig, mesh: Mesh) -> Program:
+    model = models.make_model(config)
+    tx = state_lib.make_optimizer(config)
+    init = state_lib.make_init_fn(config, model, tx)
+    abstract = jax.eval_shape(init)
+    shardings = state_lib.state_shardings(abstract, mesh)
+    batch_sharding = data.batch_sharding(mesh)
+    replicated = NamedSharding(mesh, P())
+    # Shardings at the step's boundary: the state comes in and goes out with the same layout
+    # (so it can be donated and the next call hits the same executable), the batch is split
+    # over 'data', and the scalar loss is replicated so any process can read it.
+    step_fn = jax.jit(
+        functools.partial(step_lib.train_step, model),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    return Program(
+        config=config,
+        mesh=mesh,
+        abstract_state=state_lib.with_shardings(abstract, shardings),
+        state_shardings=shardings,
+        batch_sharding=batch_sharding,
+        init_fn=jax.jit(init, out_shardings=shardings),
+        step_fn=step_fn,
+        batch_fn=data.make_batch_fn(config, mesh),
+    )

@@ -1,0 +1,27 @@
+"""Entry point: python -m trainer.train --workdir=DIR [--mesh=data=4,model=2] [--model=transformer] ...
+
+Kept short on purpose: flags in, a config out, and trainer.loop.train does the work (tests call
+that same function).
+"""
+
+import jax
+from absl import app
+
+from launch import exit_codes
+from trainer import flags as trainer_flags
+from trainer import loop
+from trainer.config import ConfigError, validate
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
+    try:
+        config = validate(trainer_flags.config_from_flags(), jax.device_count())
+    except ConfigError as err:
+        exit_codes.exit_bad_input(err)
+    loop.train(config)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=trainer_flags.parse_flags_or_exit)
