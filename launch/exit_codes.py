@@ -7,6 +7,8 @@ change the command (nothing was deleted, overwritten or partially restored).
 
 import sys
 
+from absl import flags
+
 OK = 0
 FAILURE = 1  # a crash, a failed verdict (verifier), a dead or stuck peer, a save that missed its deadline
 BAD_INPUT = 2  # bad flags, a checkpoint that does not match the program, an unusable workdir
@@ -18,3 +20,11 @@ def exit_bad_input(error: Exception) -> None:
     sys.stderr.write(f"error: {error}\n")
     sys.stderr.flush()
     sys.exit(BAD_INPUT)
+
+
+def parse_flags_or_exit(argv: list[str]) -> list[str]:
+    """absl's flag parser for app.run, but a bad flag exits BAD_INPUT with one line (absl's own is 1)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        exit_bad_input(err)

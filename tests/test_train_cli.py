@@ -13,7 +13,7 @@ def test_trainer_runs_and_logs_losses(workdir):
                                 "--log_every_steps=10")
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(loop.read_metrics(workdir)) == list(range(20))
-    assert "done: 20 steps" in result.stderr
+    assert "done: steps 0..20" in result.stderr
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -101,9 +101,8 @@ def test_batches_are_the_same_on_every_mesh_and_never_gathered(workdir):
 
 @pytest.mark.parametrize("model", ["mlp", "transformer"])
 def test_same_mesh_twice_is_bit_identical(workdir, model):
-    config = helpers.small_config(workdir, model, steps=30)
-    first = loop.train(config)
-    second = loop.train(config)
+    first = loop.train(helpers.small_config(workdir + "/first", model, steps=30))
+    second = loop.train(helpers.small_config(workdir + "/second", model, steps=30))
     assert list(first.losses.values()) == list(second.losses.values())
     assert helpers.leaves_equal(first.state, second.state)
 

@@ -4,7 +4,6 @@ import dataclasses
 
 from absl import flags
 
-from launch import exit_codes
 from trainer.config import ConfigError, TrainConfig, parse_mesh
 
 _DEFAULTS = TrainConfig()
@@ -28,15 +27,21 @@ _FIELDS = {
     "num_heads": flags.DEFINE_integer("num_heads", _DEFAULTS.num_heads, "transformer: attention heads.", lower_bound=1),
     "seq_len": flags.DEFINE_integer("seq_len", _DEFAULTS.seq_len, "transformer: tokens per example.", lower_bound=1),
     "vocab_size": flags.DEFINE_integer("vocab_size", _DEFAULTS.vocab_size, "transformer: vocabulary.", lower_bound=2),
+    "save_every_steps": flags.DEFINE_integer("save_every_steps", _DEFAULTS.save_every_steps,
+                                             "Save when the step is a multiple of this; 0 disables.", lower_bound=0),
+    "save_every_secs": flags.DEFINE_float("save_every_secs", _DEFAULTS.save_every_secs,
+                                          "Also save when this long has passed since the last save; 0 disables.",
+                                          lower_bound=0),
+    "max_to_keep": flags.DEFINE_integer("max_to_keep", _DEFAULTS.max_to_keep,
+                                        "Newest committed checkpoints kept.", lower_bound=1),
+    "keep_every_steps": flags.DEFINE_integer("keep_every_steps", _DEFAULTS.keep_every_steps,
+                                             "Steps that are multiples of this are kept forever; 0 disables.",
+                                             lower_bound=0),
+    "async_save": flags.DEFINE_boolean("async_save", _DEFAULTS.async_save,
+                                       "Write checkpoints in the background (the step blocks only for the copy)."),
+    "resume_from": flags.DEFINE_string("resume_from", _DEFAULTS.resume_from,
+                                       "latest | latest_verified | none | STEP (see trainer/checkpoints.py)."),
 }
-
-
-def parse_flags_or_exit(argv: list[str]) -> list[str]:
-    """absl's parser, but a bad flag is one line on stderr and exit code 2 (absl's own is 1)."""
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as err:
-        exit_codes.exit_bad_input(err)
 
 
 def config_from_flags(**extra) -> TrainConfig:

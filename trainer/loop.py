@@ -8,6 +8,8 @@ import time
 import jax
 from absl import logging
 
+from checkpointing.policy import SavePolicy
+from trainer import checkpoints
 from trainer.config import TrainConfig, format_mesh
 from trainer.program import Program, build_mesh, build_program
 
@@ -93,20 +95,25 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
 
 
 def train(config: TrainConfig) -> TrainResult:
-    """Trains `config.steps` steps from a fresh init on the config's mesh."""
+    """Trains up to `config.steps`, resuming per --resume_from and saving per the config."""
     mesh = build_mesh(config)
     program = build_program(config, mesh)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
-    state = program.init_fn()
+    service = checkpoints.open_service(config, program)
+    start_step, state = checkpoints.restore_or_init(config, program, service)
+    saver = checkpoints.Saver(service, SavePolicy(config.save_every_steps, config.save_every_secs),
+                              start_step=start_step, end_step=config.steps)
     loss_log = LossLog(config.workdir)
     start = time.perf_counter()
-    state = run_steps(program, state, 0, config.steps, loss_log)
+    state = run_steps(program, state, start_step, config.steps, loss_log, on_step=saver)
     jax.block_until_ready(state)
+    service.close()  # waits for the last save to commit (or raises AsyncSaveError)
     elapsed = time.perf_counter() - start
-    result = TrainResult(losses=loss_log.losses, state=state, steps_per_sec=config.steps / elapsed)
-    if jax.process_index() == 0:
-        logging.info("done: %d steps, final loss %.6f, %.2f steps/s", config.steps,
+    ran = max(config.steps - start_step, 0)
+    result = TrainResult(losses=loss_log.losses, state=state, steps_per_sec=ran / max(elapsed, 1e-9))
+    if jax.process_index() == 0 and ran:
+        logging.info("done: steps %d..%d, final loss %.6f, %.2f steps/s", start_step, config.steps,
                      result.losses[config.steps - 1], result.steps_per_sec)
     return result

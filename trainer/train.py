@@ -4,9 +4,12 @@ Kept short on purpose: flags in, a config out, and trainer.loop.train does the w
 that same function).
 """
 
-import jax
-from absl import app
+import sys
 
+import jax
+from absl import app, logging
+
+from checkpointing.errors import BadCheckpointRequest, CheckpointError
 from launch import exit_codes
 from trainer import flags as trainer_flags
 from trainer import loop
@@ -20,8 +23,14 @@ def main(argv: list[str]) -> None:
         config = validate(trainer_flags.config_from_flags(), jax.device_count())
     except ConfigError as err:
         exit_codes.exit_bad_input(err)
-    loop.train(config)
+    try:
+        loop.train(config)
+    except BadCheckpointRequest as err:
+        exit_codes.exit_bad_input(err)
+    except CheckpointError as err:
+        logging.error("%s: %s", type(err).__name__, err)
+        sys.exit(exit_codes.FAILURE)
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=trainer_flags.parse_flags_or_exit)
+    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)

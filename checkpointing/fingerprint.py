@@ -1,0 +1,81 @@
+"""Layout-independent fingerprints: one integer per leaf, equal for any sharding and mesh.
+
+Each element's bits are mixed with its flat index (murmur3's finalizer) and the mixed words are
+summed with wrap-around uint32 arithmetic. Addition mod 2**32 is associative and commutative, so
+however XLA splits the sum across devices (or hosts) the result is the same; mixing in the index
+means moving a value to another position (a transpose, two swapped rows) changes it. Two lanes
+with different salts give a 64-bit value. Computed on device inside jit, so taking fingerprints at
+save time never moves the state to the host.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+_LANE_SALTS = (0x9E3779B9, 0x7F4A7C15)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _as_uint32(x: jax.Array) -> jax.Array:
+    """The raw bits of each element as uint32 (1-, 2- and 4-byte dtypes)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}.get(x.dtype.itemsize)
+    if unsigned is None:
+        raise TypeError(f"cannot fingerprint dtype {x.dtype}: only 1-, 2- and 4-byte elements are supported")
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _flat_index(shape: tuple[int, ...]) -> jax.Array:
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return index
+
+
+def leaf_fingerprint(x: jax.Array) -> jax.Array:
+    """uint32[2]: the two lanes of one leaf's fingerprint."""
+    bits = _as_uint32(x)
+    index = _flat_index(bits.shape)
+    lanes = [jnp.sum(_fmix32(bits ^ _fmix32(index ^ jnp.uint32(salt))), dtype=jnp.uint32) for salt in _LANE_SALTS]
+    return jnp.stack(lanes)
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint_fn(mesh: Mesh):
+    # Replicated outputs, so every process can read every fingerprint without a gather.
+    return jax.jit(lambda tree: jax.tree.map(leaf_fingerprint, tree), out_shardings=NamedSharding(mesh, P()))
+
+
+def tree_fingerprints(tree):
+    """A tree of uint32[2] fingerprints, one per leaf; dispatches asynchronously like any jit.
+
+    Every leaf must live on one mesh (the program's); the result is replicated on it.
+    """
+    return _fingerprint_fn(jax.tree.leaves(tree)[0].sharding.mesh)(tree)
+
+
+def to_ints(fingerprints) -> dict[str, int]:
+    """{key path: 64-bit integer} from tree_fingerprints' output (one host transfer)."""
+    flat = jax.tree_util.tree_flatten_with_path(fingerprints)[0]
+    values = jax.device_get([lanes for _, lanes in flat])
+    return {jax.tree_util.keystr(path): (int(v[0]) << 32) | int(v[1])
+            for (path, _), v in zip(flat, np.asarray(values).reshape(-1, 2))}
+
+
+def fingerprint_tree(tree) -> dict[str, int]:
+    return to_ints(tree_fingerprints(tree))

@@ -1,0 +1,110 @@
+"""The manifest: what a checkpoint claims about itself, as schema-checked JSON (never pickle).
+
+Written with the state in the same atomic Orbax step, so a committed step always has one.
+Fields:
+  format         int, MANIFEST_FORMAT
+  step           int, the state's step
+  losses         {"<step>": float}: the loss of every step run since the previous checkpoint
+                 (the loss of step s is computed from the state at step s, before its update)
+  config         the run's full config (JSON object)
+  fixed_hash     hash of the config fields a resume must not change
+  fixed_fields   those fields, so a mismatch can be named
+  mesh           {"axis": size}
+  process_count  int
+  versions       {"jax": ..., "jaxlib": ..., "flax": ..., "optax": ..., "orbax-checkpoint": ...}
+  leaves         {"<key path>": {"shape": [int], "dtype": str, "fingerprint": int}}
+  saved_at       ISO-8601 UTC time the save was started
+  reason         why it was saved: interval, time, final, preemption
+"""
+
+import datetime
+import importlib.metadata
+import json
+from typing import Any
+
+import jax
+
+from checkpointing.errors import ManifestError
+
+MANIFEST_FORMAT = 1
+ITEM_NAME = "manifest"  # Orbax item name inside a step
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
+
+# field -> (type, check of the value); every field is required.
+_SCHEMA: dict[str, tuple[type | tuple, Any]] = {
+    "format": (int, lambda v: v == MANIFEST_FORMAT),
+    "step": (int, lambda v: v >= 0),
+    "losses": (dict, lambda v: all(k.isdigit() and isinstance(x, float) for k, x in v.items())),
+    "config": (dict, None),
+    "fixed_hash": (str, None),
+    "fixed_fields": (dict, None),
+    "mesh": (dict, lambda v: all(isinstance(s, int) and s > 0 for s in v.values())),
+    "process_count": (int, lambda v: v > 0),
+    "versions": (dict, lambda v: all(isinstance(x, str) for x in v.values())),
+    "leaves": (dict, lambda v: all(
+        isinstance(leaf, dict) and isinstance(leaf.get("shape"), list)
+        and all(isinstance(d, int) for d in leaf["shape"]) and isinstance(leaf.get("dtype"), str)
+        and isinstance(leaf.get("fingerprint"), int) for leaf in v.values())),
+    "saved_at": (str, None),
+    "reason": (str, None),
+}
+
+
+def package_versions() -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in _PACKAGES}
+
+
+def leaf_table(tree) -> dict[str, dict]:
+    """{key path: {"shape", "dtype"}} of a concrete or abstract tree."""
+    return {jax.tree_util.keystr(path): {"shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def build(*, step: int, state, fingerprints: dict[str, int], losses: dict[int, float], config: dict,
+          fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str) -> dict:
+    leaves = leaf_table(state)
+    for path, leaf in leaves.items():
+        leaf["fingerprint"] = fingerprints[path]
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": step,
+        "losses": {str(s): float(v) for s, v in sorted(losses.items())},
+        "config": config,
+        "fixed_hash": fixed_hash,
+        "fixed_fields": fixed_fields,
+        "mesh": dict(mesh),
+        "process_count": jax.process_count(),
+        "versions": package_versions(),
+        "leaves": leaves,
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "reason": reason,
+    }
+    validate(manifest)
+    return manifest
+
+
+def validate(manifest: Any, where: str = "manifest") -> dict:
+    """Returns the manifest if it matches the schema; otherwise ManifestError naming the field."""
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"{where}: not a JSON object")
+    missing = sorted(set(_SCHEMA) - set(manifest))
+    if missing:
+        raise ManifestError(f"{where}: missing field(s) {', '.join(missing)}")
+    for field, (kind, check) in _SCHEMA.items():
+        value = manifest[field]
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}, got {type(value).__name__}")
+        if check is not None and not check(value):
+            raise ManifestError(f"{where}: field {field!r} has an invalid value")
+    return manifest
+
+
+def losses(manifest: dict) -> dict[int, float]:
+    return {int(s): v for s, v in manifest["losses"].items()}
+
+
+def parse(text: str, where: str) -> dict:
+    try:
+        return validate(json.loads(text), where)
+    except json.JSONDecodeError as err:
+        raise ManifestError(f"{where}: not valid JSON ({err})") from None

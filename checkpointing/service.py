@@ -1,0 +1,259 @@
+"""The checkpoint service: Orbax's CheckpointManager with the guarantees the trainer relies on.
+
+- Only committed (finalized) steps exist: listings read the directory, never Orbax's in-memory
+  list, which records a step when `save()` is called, before its write has finished.
+- A failed background save surfaces as AsyncSaveError at the next check (each step), even though
+  Orbax itself only logs it; the step it was writing never becomes committed.
+- Every save carries a manifest (JSON) with a fingerprint per leaf; every restore targets an
+  explicit abstract tree with the current mesh's shardings, refuses a tree or config mismatch by
+  name, and checks every fingerprint exactly.
+- The preemption decision is the caller's, taken once per step; Orbax asks it again inside
+  `save()` and at finalization, and gets the same answer instead of a second runtime query.
+"""
+
+import dataclasses
+import time
+from typing import Callable, Iterable, Sequence
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+from etils import epath
+from orbax.checkpoint import checkpoint_managers
+
+from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import manifest as manifest_lib
+from checkpointing.errors import (AsyncSaveError, ConfigMismatchError, CorruptCheckpointError,
+                                  FingerprintMismatchError, NoSuchCheckpointError, TreeMismatchError)
+
+STATE_ITEM = "state"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    save_every_steps: int = 0  # Save when step % this == 0; 0 disables.
+    save_every_secs: float = 0.0  # Save when this long has passed since the last save; 0 disables.
+    max_to_keep: int = 5  # The newest this-many committed steps are kept.
+    keep_every_steps: int = 0  # Steps that are multiples of this are never deleted; 0 disables.
+    async_save: bool = True  # Write in a background thread; the step blocks only for the device-to-host copy.
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMetadata:
+    """What every manifest of this run records about the run (the service never interprets `config`)."""
+
+    config: dict
+    fixed_fields: dict  # fields a resume must not change
+    fixed_hash: str
+    mesh: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    state: object
+    manifest: dict
+
+
+class _ProtectedSteps(checkpoint_managers.PreservationPolicy):
+    """Preserves the steps a callback names (e.g. the newest verified step) at deletion time."""
+
+    def __init__(self, protected: Callable[[], Iterable[int]]):
+        self._protected = protected
+
+    def should_preserve(self, checkpoints, *, context) -> Sequence[bool]:
+        keep = set(self._protected())
+        return [info.step in keep for info in checkpoints]
+
+
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, answering its own preemption queries from the caller's one decision."""
+
+    def __init__(self, *args, preemption_decision: Callable[[int], bool], **kwargs):
+        self._preemption_decision = preemption_decision
+        super().__init__(*args, **kwargs)
+
+    def reached_preemption(self, step: int) -> bool:
+        return self._preemption_decision(step)
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed."""
+    path = epath.Path(directory)
+    if not path.exists():
+        return []
+    return sorted(ocp.path.step.checkpoint_steps(path))
+
+
+def step_path(directory: str, step: int) -> epath.Path:
+    return epath.Path(directory) / str(step)
+
+
+def read_manifest(directory: str, step: int) -> dict:
+    """The schema-checked manifest of `step` (the caller knows the step is committed)."""
+    path = step_path(directory, step) / manifest_lib.ITEM_NAME / "metadata"
+    try:
+        text = path.read_text()
+    except (OSError, FileNotFoundError) as err:
+        raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err})") from None
+    return manifest_lib.parse(text, f"step {step} manifest")
+
+
+class CheckpointService:
+    """Saves and restores one run's state tree in `directory` (local path or gs://)."""
+
+    def __init__(self, directory: str, options: CheckpointOptions = CheckpointOptions(), *,
+                 run: RunMetadata | None = None, read_only: bool = False,
+                 protected_steps: Callable[[], Iterable[int]] = frozenset,
+                 preemption_decision: Callable[[int], bool] = lambda step: False):
+        self.directory = str(directory)
+        self.options = options
+        self._run = run
+        self._pending_step: int | None = None
+        policies = [checkpoint_managers.LatestN(options.max_to_keep), _ProtectedSteps(protected_steps)]
+        if options.keep_every_steps:
+            policies.append(checkpoint_managers.EveryNSteps(options.keep_every_steps))
+        manager_options = ocp.CheckpointManagerOptions(
+            preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies),
+            enable_async_checkpointing=options.async_save,
+            # Killed saves leave '<step>.orbax-checkpoint-tmp-*' directories; the primary host
+            # removes them at start-up. A reader must never delete anything.
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+        )
+        self._manager = _Manager(epath.Path(self.directory), options=manager_options,
+                                 item_names=(STATE_ITEM, manifest_lib.ITEM_NAME),
+                                 preemption_decision=preemption_decision)
+
+    # --- listing -------------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        return committed_steps(self.directory)
+
+    def latest_committed_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def read_manifest(self, step: int) -> dict:
+        """The schema-checked manifest of a committed step."""
+        self._require_committed(step)
+        return read_manifest(self.directory, step)
+
+    # --- saving --------------------------------------------------------------------------------
+
+    def save(self, step: int, state, *, losses: dict[int, float], reason: str) -> None:
+        """Starts saving `state` as `step`; returns once the device-to-host copy is done (async).
+
+        Call on every process. Fingerprints are computed on device; reading them back waits only
+        for the step that produced `state`, which the copy has to wait for anyway.
+        """
+        if self._run is None:
+            raise ValueError("a read-only service (no RunMetadata) cannot save")
+        self.check_for_errors()
+        fingerprints = fingerprint_lib.fingerprint_tree(state)
+        manifest = manifest_lib.build(
+            step=step, state=state, fingerprints=fingerprints, losses=losses, config=self._run.config,
+            fixed_hash=self._run.fixed_hash, fixed_fields=self._run.fixed_fields, mesh=self._run.mesh,
+            reason=reason)
+        started = time.perf_counter()
+        self._manager.save(step, args=ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardSave(state),
+            manifest_lib.ITEM_NAME: ocp.args.JsonSave(manifest),
+        }), force=True)  # the caller's policy decided; Orbax's own should_save must not ask again
+        self._pending_step = step
+        if jax.process_index() == 0:
+            logging.info("checkpoint: step %d (%s) handed off in %.3fs", step, reason,
+                         time.perf_counter() - started)
+
+    def check_for_errors(self) -> None:
+        """Raises AsyncSaveError if the last background save ended without committing its step."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as err:  # Orbax re-raises the background thread's exception as is
+            self._raise_failed(err)
+        if self._pending_step is not None and not self._manager.is_saving_in_progress():
+            step, self._pending_step = self._pending_step, None
+            if step not in self.committed_steps():
+                self._raise_failed(None, step)
+
+    def _raise_failed(self, cause, step=None) -> None:
+        step = self._pending_step if step is None else step
+        self._pending_step = None
+        latest = self.latest_committed_step()
+        raise AsyncSaveError(
+            f"background save of step {step} failed{f' ({cause})' if cause else ''}; "
+            f"the latest committed step is still {latest}") from cause
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the background save (if any) has committed, or raises AsyncSaveError."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            self._raise_failed(err)
+        self.check_for_errors()
+
+    def close(self) -> None:
+        self.wait_until_finished()
+        self._manager.close()
+
+    # --- restoring -----------------------------------------------------------------------------
+
+    def restore(self, step: int, abstract_state) -> Restored:
+        """Restores `step` onto the shardings in `abstract_state`, or raises naming what is wrong.
+
+        The tree and the fixed config are checked against the manifest before any array is read;
+        after reading, every leaf's fingerprint must equal the one taken at save time.
+        """
+        manifest = self.read_manifest(step)
+        self.check_compatible(step, manifest, abstract_state)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**{
+                STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))
+        except Exception as err:
+            raise CorruptCheckpointError(f"step {step}: reading its arrays failed: {err}") from err
+        state = restored[STATE_ITEM]
+        check_fingerprints(step, manifest, state)
+        return Restored(state=state, manifest=manifest)
+
+    def check_compatible(self, step: int, manifest: dict, abstract_state) -> None:
+        if self._run is not None and manifest["fixed_hash"] != self._run.fixed_hash:
+            differing = sorted(
+                name for name in set(manifest["fixed_fields"]) | set(self._run.fixed_fields)
+                if manifest["fixed_fields"].get(name) != self._run.fixed_fields.get(name))
+            details = ", ".join(f"{name}: checkpoint {manifest['fixed_fields'].get(name)!r} vs this run "
+                                f"{self._run.fixed_fields.get(name)!r}" for name in differing)
+            raise ConfigMismatchError(f"step {step} was saved with a different config ({details or 'hash differs'})")
+        check_tree_matches(step, manifest, abstract_state)
+
+    def _require_committed(self, step: int) -> None:
+        if step not in self.committed_steps():
+            raise NoSuchCheckpointError(
+                f"step {step} is not a committed checkpoint in {self.directory} "
+                f"(committed: {self.committed_steps() or 'none'})")
+
+
+def check_tree_matches(step: int, manifest: dict, abstract_state) -> None:
+    """TreeMismatchError naming every path added, removed, reshaped or retyped."""
+    saved = {path: (leaf["shape"], leaf["dtype"]) for path, leaf in manifest["leaves"].items()}
+    target = {path: (leaf["shape"], leaf["dtype"]) for path, leaf in manifest_lib.leaf_table(abstract_state).items()}
+    problems = [f"{p} missing from the checkpoint" for p in sorted(set(target) - set(saved))]
+    problems += [f"{p} not in this program" for p in sorted(set(saved) - set(target))]
+    for path in sorted(set(saved) & set(target)):
+        (saved_shape, saved_dtype), (shape, dtype) = saved[path], target[path]
+        if saved_shape != shape:
+            problems.append(f"{path} shape {saved_shape} in the checkpoint vs {shape}")
+        if saved_dtype != dtype:
+            problems.append(f"{path} dtype {saved_dtype} in the checkpoint vs {dtype}")
+    if problems:
+        raise TreeMismatchError(f"step {step} does not match this program's state: " + "; ".join(problems))
+
+
+def check_fingerprints(step: int, manifest: dict, state) -> None:
+    """FingerprintMismatchError naming the first leaf whose fingerprint differs (exact)."""
+    actual = fingerprint_lib.fingerprint_tree(state)
+    bad = [path for path, leaf in manifest["leaves"].items() if actual.get(path) != leaf["fingerprint"]]
+    if bad:
+        first = bad[0]
+        raise FingerprintMismatchError(
+            f"step {step}: leaf {first} fingerprint {actual.get(first)} != saved "
+            f"{manifest['leaves'][first]['fingerprint']} ({len(bad)} leaf(s) differ)")
