@@ -13,7 +13,7 @@ from absl import app, flags
 from checkpointing import manifest as manifest_lib
 from checkpointing.errors import CheckpointError
 from checkpointing.service import committed_steps, read_manifest, step_path
-from launch import exit_codes
+from launch import exit_codes, logs
 
 WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (local path or gs://).")
 LOSSES = flags.DEFINE_boolean("losses", False, "Print the recorded per-step losses as JSON instead of the table.")
@@ -63,6 +63,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
+    logs.quiet_library_logs()
     if not WORKDIR.value:
         exit_codes.exit_bad_input(ValueError("--workdir is required"))
     try:

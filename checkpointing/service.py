@@ -216,13 +216,8 @@ class CheckpointService:
         return Restored(state=state, manifest=manifest)
 
     def check_compatible(self, step: int, manifest: dict, abstract_state) -> None:
-        if self._run is not None and manifest["fixed_hash"] != self._run.fixed_hash:
-            differing = sorted(
-                name for name in set(manifest["fixed_fields"]) | set(self._run.fixed_fields)
-                if manifest["fixed_fields"].get(name) != self._run.fixed_fields.get(name))
-            details = ", ".join(f"{name}: checkpoint {manifest['fixed_fields'].get(name)!r} vs this run "
-                                f"{self._run.fixed_fields.get(name)!r}" for name in differing)
-            raise ConfigMismatchError(f"step {step} was saved with a different config ({details or 'hash differs'})")
+        if self._run is not None:
+            check_config_matches(step, manifest, self._run)
         check_tree_matches(step, manifest, abstract_state)
 
     def _require_committed(self, step: int) -> None:
@@ -230,6 +225,17 @@ class CheckpointService:
             raise NoSuchCheckpointError(
                 f"step {step} is not a committed checkpoint in {self.directory} "
                 f"(committed: {self.committed_steps() or 'none'})")
+
+
+def check_config_matches(step: int, manifest: dict, run: RunMetadata) -> None:
+    """ConfigMismatchError naming every fixed field that differs between the checkpoint and `run`."""
+    if manifest["fixed_hash"] == run.fixed_hash:
+        return
+    saved, current = manifest["fixed_fields"], run.fixed_fields
+    differing = sorted(name for name in set(saved) | set(current) if saved.get(name) != current.get(name))
+    details = ", ".join(f"{name}: checkpoint {saved.get(name)!r} vs this run {current.get(name)!r}"
+                        for name in differing)
+    raise ConfigMismatchError(f"step {step} was saved with a different config ({details or 'hash differs'})")
 
 
 def check_tree_matches(step: int, manifest: dict, abstract_state) -> None:

@@ -78,3 +78,9 @@ def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     x = np.array([a[s] for s in sorted(a)])
     y = np.array([b[s] for s in sorted(b)])
     return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-30)))
+
+
+def run_python(script: str, device_count: int = 8, timeout: float = 300, **env):
+    """Runs a Python snippet in a fresh process with `device_count` fake devices."""
+    return subprocess.run([sys.executable, "-c", script], env=subprocess_env(device_count, **env), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)

@@ -11,7 +11,8 @@ from absl import logging
 
 from checkpointing.errors import BadCheckpointRequest, CorruptCheckpointError, NoSuchCheckpointError
 from checkpointing.policy import SavePolicy
-from checkpointing.service import CheckpointOptions, CheckpointService, RunMetadata
+from checkpointing.service import (CheckpointOptions, CheckpointService, RunMetadata, check_config_matches,
+                                   committed_steps, read_manifest)
 from trainer.config import TrainConfig
 from trainer.program import Program
 
@@ -28,16 +29,20 @@ def open_service(config: TrainConfig, program: Program, **kwargs) -> CheckpointS
     return CheckpointService(config.workdir, options, run=run_metadata(config, program), **kwargs)
 
 
-def restore_or_init(config: TrainConfig, program: Program, service: CheckpointService):
-    """(start_step, state): the restored step per --resume_from, or a fresh init at step 0."""
-    committed = service.committed_steps()
+def resume_step(config: TrainConfig) -> int | None:
+    """The committed step --resume_from asks for (None: start fresh), checked before anything runs.
+
+    Reads only the directory listing and one manifest, so a bad request fails before any
+    compile, log line or write.
+    """
+    committed = committed_steps(config.workdir)
     if config.resume_from == "none":
         if committed:
             raise BadCheckpointRequest(
                 f"--resume_from=none but {config.workdir} already has committed steps {committed}; "
                 "use a new --workdir or --resume_from=latest")
-        step = None
-    elif config.resume_from == "latest":
+        return None
+    if config.resume_from == "latest":
         step = committed[-1] if committed else None
     else:
         step = int(config.resume_from)
@@ -47,9 +52,17 @@ def restore_or_init(config: TrainConfig, program: Program, service: CheckpointSe
             raise BadCheckpointRequest(
                 f"--resume_from={step}: newer steps {[s for s in committed if s > step]} exist and would be "
                 "overwritten; resume into a new --workdir")
+    if step is not None:
+        fixed = RunMetadata(config={}, fixed_fields=config.fixed_fields(), fixed_hash=config.fixed_hash(), mesh={})
+        check_config_matches(step, read_manifest(config.workdir, step), fixed)
+    return step
+
+
+def restore_or_init(program: Program, service: CheckpointService, step: int | None):
+    """(start_step, state): `step` restored onto the program's mesh, or a fresh init at step 0."""
     if step is None:
         if jax.process_index() == 0:
-            logging.info("no checkpoint to resume in %s: starting from step 0", config.workdir)
+            logging.info("no checkpoint to resume in %s: starting from step 0", service.directory)
         return 0, program.init_fn()
     restored = service.restore(step, program.abstract_state)
     if int(restored.state.step) != step:

@@ -62,6 +62,15 @@ class TrainConfig:
         fields["mesh"] = dict(self.mesh)
         return fields
 
+    @classmethod
+    def from_json(cls, fields: dict) -> "TrainConfig":
+        """The inverse of to_json (e.g. the config a manifest recorded); unknown fields are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**{**fields, "mesh": tuple(dict(fields.get("mesh", {})).items())})
+
 
 # Fields that shape the state or the computed numbers; the mesh, step count, cadences and
 # checkpoint policy may change between a run and its resume.

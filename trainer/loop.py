@@ -94,15 +94,28 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
     return state
 
 
+def replay_losses(program: Program, state, start_step: int, num_steps: int):
+    """Runs `num_steps` steps from `state` (at `start_step`); returns (state, {step: loss})."""
+    losses = []
+    for step in range(start_step, start_step + num_steps):
+        state, loss = program.step_fn(state, program.batch_fn(step))
+        losses.append(loss)
+        if blocks_each_step(program):
+            loss.block_until_ready()
+    values = jax.device_get(losses)
+    return state, {start_step + i: float(v) for i, v in enumerate(values)}
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Trains up to `config.steps`, resuming per --resume_from and saving per the config."""
+    resume_step = checkpoints.resume_step(config)
     mesh = build_mesh(config)
     program = build_program(config, mesh)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
     service = checkpoints.open_service(config, program)
-    start_step, state = checkpoints.restore_or_init(config, program, service)
+    start_step, state = checkpoints.restore_or_init(program, service, resume_step)
     saver = checkpoints.Saver(service, SavePolicy(config.save_every_steps, config.save_every_secs),
                               start_step=start_step, end_step=config.steps)
     loss_log = LossLog(config.workdir)

@@ -10,13 +10,14 @@ import jax
 from absl import app, logging
 
 from checkpointing.errors import BadCheckpointRequest, CheckpointError
-from launch import exit_codes
+from launch import exit_codes, logs
 from trainer import flags as trainer_flags
 from trainer import loop
 from trainer.config import ConfigError, validate
 
 
 def main(argv: list[str]) -> None:
+    logs.quiet_library_logs()
     if len(argv) > 1:
         exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
     try:
