@@ -28,6 +28,10 @@ class ManifestError(CheckpointError):
 class FingerprintMismatchError(CheckpointError):
     """A restored leaf's fingerprint differs from the one taken at save time."""
 
+    def __init__(self, message: str, *, path: str, expected: int, actual: int | None):
+        super().__init__(message)
+        self.path, self.expected, self.actual = path, expected, actual
+
 
 class AsyncSaveError(CheckpointError):
     """A background save failed; the step it was writing never became committed."""

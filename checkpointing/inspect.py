@@ -1,6 +1,7 @@
 """python -m checkpointing.inspect --workdir=DIR [--losses]
 
-Lists the committed steps of a workdir (size, mesh, processes, time, reason, loss range); with
+Lists the committed steps of a workdir (size, mesh, processes, time, reason, loss range, the
+verifier's verdict); with
 --losses prints every recorded per-step loss of every committed checkpoint as one JSON object
 {"<step>": loss}, so a script can compare two runs. Read-only: it never writes or deletes.
 """
@@ -11,6 +12,7 @@ import sys
 from absl import app, flags
 
 from checkpointing import manifest as manifest_lib
+from checkpointing import verdicts
 from checkpointing.errors import CheckpointError
 from checkpointing.service import committed_steps, read_manifest, step_path
 from launch import exit_codes, logs
@@ -48,6 +50,7 @@ def table_rows(workdir: str) -> list[dict]:
             "saved_at": manifest["saved_at"],
             "reason": manifest["reason"],
             "losses": f"{min(losses):.6g}..{max(losses):.6g} ({len(losses)} steps)" if losses else "-",
+            "verdict": verdicts.summary(verdicts.read(workdir, step)),
         })
     return rows
 

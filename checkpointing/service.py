@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from absl import logging
 from etils import epath
 from orbax.checkpoint import checkpoint_managers
@@ -27,6 +28,7 @@ from checkpointing.errors import (AsyncSaveError, ConfigMismatchError, CorruptCh
                                   FingerprintMismatchError, NoSuchCheckpointError, TreeMismatchError)
 
 STATE_ITEM = "state"
+SUPERSEDED_DIR = "superseded"  # steps set aside by a resume from an older step; never listed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,20 @@ class CheckpointService:
         self.wait_until_finished()
         self._manager.close()
 
+    def set_aside(self, steps: Iterable[int]) -> None:
+        """Moves committed steps to <workdir>/superseded/<step>-<time>: out of every listing, not deleted."""
+        steps = sorted(steps)
+        if steps and jax.process_index() == 0:
+            superseded = epath.Path(self.directory) / SUPERSEDED_DIR
+            superseded.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            for step in steps:
+                step_path(self.directory, step).rename(superseded / f"{step}-{stamp}")
+        if steps and jax.process_count() > 1:
+            multihost_utils.sync_global_devices("checkpoint_service_set_aside")
+        if steps:
+            self._manager.reload()
+
     # --- restoring -----------------------------------------------------------------------------
 
     def restore(self, step: int, abstract_state) -> Restored:
@@ -260,6 +276,7 @@ def check_fingerprints(step: int, manifest: dict, state) -> None:
     bad = [path for path, leaf in manifest["leaves"].items() if actual.get(path) != leaf["fingerprint"]]
     if bad:
         first = bad[0]
+        expected = manifest["leaves"][first]["fingerprint"]
         raise FingerprintMismatchError(
-            f"step {step}: leaf {first} fingerprint {actual.get(first)} != saved "
-            f"{manifest['leaves'][first]['fingerprint']} ({len(bad)} leaf(s) differ)")
+            f"step {step}: leaf {first} fingerprint {actual.get(first)} != saved {expected} "
+            f"({len(bad)} leaf(s) differ: {', '.join(bad)})", path=first, expected=expected, actual=actual.get(first))

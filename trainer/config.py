@@ -119,20 +119,22 @@ def validate(config: TrainConfig, device_count: int) -> TrainConfig:
         )
     if not config.mesh:
         config = dataclasses.replace(config, mesh=(("data", device_count),))
+    check_mesh(config.mesh, device_count)
     sizes = config.mesh_shape()
-    total = 1
-    for size in sizes.values():
-        total *= size
-    if total != device_count:
-        raise ConfigError(
-            f"--mesh={format_mesh(config.mesh)} has {total} devices but {device_count} are visible"
-        )
     if config.batch_size % sizes["data"]:
         raise ConfigError(
             f"--batch_size={config.batch_size} is not divisible by the data axis ({sizes['data']})"
         )
     validate_workdir(config.workdir)
     return config
+
+
+def check_mesh(mesh: tuple[tuple[str, int], ...], device_count: int) -> None:
+    total = 1
+    for _, size in mesh:
+        total *= size
+    if mesh and total != device_count:
+        raise ConfigError(f"--mesh={format_mesh(mesh)} has {total} devices but {device_count} are visible")
 
 
 def format_mesh(mesh: tuple[tuple[str, int], ...]) -> str:

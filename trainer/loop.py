@@ -108,14 +108,14 @@ def replay_losses(program: Program, state, start_step: int, num_steps: int):
 
 def train(config: TrainConfig) -> TrainResult:
     """Trains up to `config.steps`, resuming per --resume_from and saving per the config."""
-    resume_step = checkpoints.resume_step(config)
+    candidates = checkpoints.resume_candidates(config)
     mesh = build_mesh(config)
     program = build_program(config, mesh)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
     service = checkpoints.open_service(config, program)
-    start_step, state = checkpoints.restore_or_init(program, service, resume_step)
+    start_step, state = checkpoints.restore_or_init(program, service, candidates)
     saver = checkpoints.Saver(service, SavePolicy(config.save_every_steps, config.save_every_secs),
                               start_step=start_step, end_step=config.steps)
     loss_log = LossLog(config.workdir)

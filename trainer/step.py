@@ -19,3 +19,10 @@ def train_step(model, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
 # transformer 1.1e-5 at the test sizes and 1.6e-5 at the default sizes (its loss falls ~50x,
 # so the relative error grows as the loss shrinks). The bounds keep a ~10x margin.
 CROSS_MESH_LOSS_RTOL = {"mlp": 1e-5, "transformer": 2e-4}
+
+# How far a whole replayed state may drift from the one another mesh produced: the relative norm
+# ||replayed - saved|| / ||saved|| over every leaf at once. Per leaf is no use: a parameter whose
+# exact gradient is zero (an attention key bias: softmax ignores a per-query constant) receives
+# pure rounding noise, which Adam scales into real, mesh-dependent updates. Measured after 60 steps
+# across the four 8-device meshes: mlp 8.7e-8, transformer 6.2e-4 (almost all in the key biases).
+CROSS_MESH_STATE_RTOL = {"mlp": 1e-5, "transformer": 5e-3}

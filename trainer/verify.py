@@ -1,0 +1,70 @@
+"""Entry point: python -m trainer.verify --workdir=DIR --mesh=data=2 (--follow | --once)
+
+A separate process with its own devices and mesh. It reads the trainer's checkpoints (never
+changes them), proves each committed step (see trainer/verifier.py) and writes a verdict per step.
+--once verifies what is pending and exits: 0 if every committed step's verdict passed, 1 if any
+failed, 2 for bad input. --follow keeps polling (with backoff) until --until_step, or the run's
+final checkpoint, is verified, or until SIGTERM; same exit codes.
+"""
+
+import signal
+import sys
+import threading
+
+import jax
+from absl import app, flags, logging
+
+from checkpointing import verdicts
+from checkpointing.errors import BadCheckpointRequest
+from checkpointing.service import committed_steps
+from launch import exit_codes, logs
+from trainer.config import ConfigError, check_mesh, parse_mesh
+from trainer.flags import MESH, WORKDIR
+from trainer.verifier import Verifier, VerifierOptions
+
+FOLLOW = flags.DEFINE_boolean("follow", False, "Verify steps as they are committed, until the run is done.")
+ONCE = flags.DEFINE_boolean("once", False, "Verify the pending steps and exit.")
+REPLAY_STEPS = flags.DEFINE_integer("replay_steps", 100, "Replay at most this many steps per checkpoint.",
+                                    lower_bound=0)
+UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this step is committed and verified.")
+POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between polls (doubles while idle).",
+                               lower_bound=0.01)
+MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between polls.", lower_bound=0.01)
+
+
+def failing_steps(workdir: str) -> list[int]:
+    committed = set(committed_steps(workdir))
+    return [step for step, v in verdicts.read_all(workdir).items() if v["status"] == "fail" and step in committed]
+
+
+def main(argv: list[str]) -> None:
+    logs.quiet_library_logs()
+    if len(argv) > 1:
+        exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
+    if FOLLOW.value == ONCE.value:
+        exit_codes.exit_bad_input(ValueError("give exactly one of --follow and --once"))
+    try:
+        if not WORKDIR.value:
+            raise ConfigError("--workdir is required")
+        mesh = parse_mesh(MESH.value)
+        check_mesh(mesh, jax.device_count())
+        options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
+                                  poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value)
+        verifier = Verifier(options)
+        logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
+        if ONCE.value:
+            verifier.verify_pending()
+        else:
+            stop = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            verifier.follow(stop, until_step=UNTIL_STEP.value)
+    except (ConfigError, BadCheckpointRequest) as err:
+        exit_codes.exit_bad_input(err)
+    failing = failing_steps(WORKDIR.value)
+    if failing:
+        logging.error("failing verdicts for steps %s", failing)
+        sys.exit(exit_codes.FAILURE)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
