@@ -13,7 +13,7 @@ Fields:
   process_count  int
   versions       {"jax": ..., "jaxlib": ..., "flax": ..., "optax": ..., "orbax-checkpoint": ...}
   leaves         {"<key path>": {"shape": [int], "dtype": str, "fingerprint": int}}
-  saved_at       ISO-8601 UTC time the save was started
+  saved_at       ISO-8601 UTC time the manifest was written (during the background save)
   reason         why it was saved: interval, time, final, preemption
 """
 
@@ -60,11 +60,10 @@ def leaf_table(tree) -> dict[str, dict]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def build(*, step: int, state, fingerprints: dict[str, int], losses: dict[int, float], config: dict,
-          fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str) -> dict:
-    leaves = leaf_table(state)
-    for path, leaf in leaves.items():
-        leaf["fingerprint"] = fingerprints[path]
+def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], losses: dict[int, float],
+          config: dict, fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str) -> dict:
+    """`leaves` is leaf_table(state); each entry gets its fingerprint."""
+    leaves = {path: {**leaf, "fingerprint": fingerprints[path]} for path, leaf in leaves.items()}
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": step,

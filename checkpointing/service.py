@@ -11,6 +11,7 @@
   `save()` and at finalization, and gets the same answer instead of a second runtime query.
 """
 
+import asyncio
 import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
@@ -54,6 +55,32 @@ class RunMetadata:
 class Restored:
     state: object
     manifest: dict
+
+
+class _ManifestHandler(ocp.handlers.JsonCheckpointHandler):
+    """Orbax's JSON handler, but the manifest is built in the background write, not in save().
+
+    The fingerprints are dispatched to the device before save() and only read back here, while
+    the arrays are being written, so the step never waits for them. The manifest is still part of
+    the same step, so the step commits only once it is written.
+    """
+
+    async def _save_fn(self, x, directory):
+        if callable(x):
+            x = await asyncio.to_thread(x)  # waits for the fingerprints off the event loop
+        await super()._save_fn(x, directory)
+
+
+@ocp.args.register_with_handler(_ManifestHandler, for_save=True)
+@dataclasses.dataclass
+class _ManifestSave(ocp.args.CheckpointArgs):
+    item: Callable[[], dict]  # builds the manifest; called once, in the background
+
+
+@ocp.args.register_with_handler(_ManifestHandler, for_restore=True)
+@dataclasses.dataclass
+class _ManifestRestore(ocp.args.CheckpointArgs):
+    """Registered because Orbax wants a restore pair; manifests are read with read_manifest()."""
 
 
 class _ProtectedSteps(checkpoint_managers.PreservationPolicy):
@@ -146,21 +173,26 @@ class CheckpointService:
     def save(self, step: int, state, *, losses: dict[int, float], reason: str) -> None:
         """Starts saving `state` as `step`; returns once the device-to-host copy is done (async).
 
-        Call on every process. Fingerprints are computed on device; reading them back waits only
-        for the step that produced `state`, which the copy has to wait for anyway.
+        Call on every process. Fingerprints are computed on device and read back by the background
+        write (see _ManifestHandler), so the caller never waits for them.
         """
         if self._run is None:
             raise ValueError("a read-only service (no RunMetadata) cannot save")
         self.check_for_errors()
-        fingerprints = fingerprint_lib.fingerprint_tree(state)
-        manifest = manifest_lib.build(
-            step=step, state=state, fingerprints=fingerprints, losses=losses, config=self._run.config,
-            fixed_hash=self._run.fixed_hash, fixed_fields=self._run.fixed_fields, mesh=self._run.mesh,
-            reason=reason)
+        fingerprints = fingerprint_lib.tree_fingerprints(state)  # dispatched, not waited for
+        run = self._run
+        leaves = manifest_lib.leaf_table(state)
+
+        def build_manifest() -> dict:
+            return manifest_lib.build(
+                step=step, leaves=leaves, fingerprints=fingerprint_lib.to_ints(fingerprints), losses=losses,
+                config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
+                reason=reason)
+
         started = time.perf_counter()
         self._manager.save(step, args=ocp.args.Composite(**{
             STATE_ITEM: ocp.args.StandardSave(state),
-            manifest_lib.ITEM_NAME: ocp.args.JsonSave(manifest),
+            manifest_lib.ITEM_NAME: _ManifestSave(build_manifest),
         }), force=True)  # the caller's policy decided; Orbax's own should_save must not ask again
         self._pending_step = step
         if jax.process_index() == 0:
