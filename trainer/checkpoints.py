@@ -20,6 +20,8 @@ from checkpointing.errors import (BadCheckpointRequest, CorruptCheckpointError, 
 from checkpointing.policy import SavePolicy
 from checkpointing.service import (CheckpointOptions, CheckpointService, RunMetadata, check_config_matches,
                                    committed_steps, read_manifest)
+from launch.preemption import Preempted, PreemptionWatch
+from launch.watchdog import Watchdog
 from trainer.config import TrainConfig
 from trainer.program import Program
 
@@ -111,21 +113,36 @@ def restore_or_init(program: Program, service: CheckpointService, candidates: li
 
 
 class Saver:
-    """The loop's per-step hook: checks the last background save, decides, saves."""
+    """The loop's per-step hook: checks the last background save, decides once, saves.
 
-    def __init__(self, service: CheckpointService, policy: SavePolicy, *, start_step: int, end_step: int):
+    On a preemption decision it saves that step (if not saved already), waits for the commit
+    within the grace period (the watchdog exits 1 otherwise, leaving the previous step latest)
+    and raises Preempted; the entry point turns that into the "requeue me" exit code.
+    """
+
+    def __init__(self, service: CheckpointService, policy: SavePolicy, *, start_step: int, end_step: int,
+                 preemption: PreemptionWatch, watchdog: Watchdog, grace_secs: float):
         self._service = service
         self._policy = policy
         self._end_step = end_step
+        self._preemption = preemption
+        self._watchdog = watchdog
+        self._grace_secs = grace_secs
         self.last_saved_step = start_step
 
     def __call__(self, step: int, state, loss_log):
+        self._watchdog.pet(f"step {step + 1}")
         self._service.check_for_errors()
-        reason = self._policy.reason(step, final=step == self._end_step)
+        preempted = self._preemption.decide(step) and step != self._end_step
+        reason = self._policy.reason(step, final=step == self._end_step, preempted=preempted)
         if reason and step != self.last_saved_step:
             loss_log.flush()
             losses = {s: v for s, v in loss_log.losses.items() if self.last_saved_step <= s < step}
             self._service.save(step, state, losses=losses, reason=reason)
             self._policy.saved()
             self.last_saved_step = step
+        if preempted:
+            with self._watchdog.bounded(f"committing the preemption checkpoint of step {step}", self._grace_secs):
+                self._service.wait_until_finished()
+            raise Preempted(step)
         return state

@@ -42,6 +42,8 @@ class TrainConfig:
     keep_every_steps: int = 0  # Steps that are multiples of this are kept forever; 0 disables.
     async_save: bool = True  # Write checkpoints in the background; the step blocks only for the copy.
     resume_from: str = "latest"  # 'latest', 'latest_verified', 'none' (fresh; refuses a non-empty workdir) or a step.
+    preemption_grace_secs: float = 60.0  # After a preemption decision the save must commit within this, else exit 1.
+    watchdog_secs: float = 600.0  # Longest a step, restore or save may block before the process exits 1.
 
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes by name, every axis of MESH_AXES present (a missing axis is 1)."""
@@ -103,6 +105,9 @@ def validate(config: TrainConfig, device_count: int) -> TrainConfig:
     for name in ("steps", "batch_size", "log_every_steps", "input_dim", "hidden_dim", "num_layers",
                  "num_heads", "seq_len", "vocab_size", "max_to_keep"):
         if getattr(config, name) < 1:
+            raise ConfigError(f"--{name} must be positive, got {getattr(config, name)}")
+    for name in ("preemption_grace_secs", "watchdog_secs"):
+        if not getattr(config, name) > 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(config, name)}")
     for name in ("save_every_steps", "keep_every_steps", "save_every_secs"):
         if getattr(config, name) < 0:

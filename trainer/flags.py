@@ -41,6 +41,11 @@ _FIELDS = {
                                        "Write checkpoints in the background (the step blocks only for the copy)."),
     "resume_from": flags.DEFINE_string("resume_from", _DEFAULTS.resume_from,
                                        "latest | latest_verified | none | STEP (see trainer/checkpoints.py)."),
+    "preemption_grace_secs": flags.DEFINE_float(
+        "preemption_grace_secs", _DEFAULTS.preemption_grace_secs,
+        "After SIGTERM the final save must commit within this many seconds, else exit 1."),
+    "watchdog_secs": flags.DEFINE_float("watchdog_secs", _DEFAULTS.watchdog_secs,
+                                        "Longest a step, restore or save may block before exiting 1."),
 }
 
 

@@ -9,6 +9,8 @@ import jax
 from absl import logging
 
 from checkpointing.policy import SavePolicy
+from launch.preemption import PreemptionWatch
+from launch.watchdog import Watchdog
 from trainer import checkpoints
 from trainer.config import TrainConfig, format_mesh
 from trainer.program import Program, build_mesh, build_program
@@ -114,15 +116,25 @@ def train(config: TrainConfig) -> TrainResult:
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
-    service = checkpoints.open_service(config, program)
-    start_step, state = checkpoints.restore_or_init(program, service, candidates)
-    saver = checkpoints.Saver(service, SavePolicy(config.save_every_steps, config.save_every_secs),
-                              start_step=start_step, end_step=config.steps)
-    loss_log = LossLog(config.workdir)
-    start = time.perf_counter()
-    state = run_steps(program, state, start_step, config.steps, loss_log, on_step=saver)
-    jax.block_until_ready(state)
-    service.close()  # waits for the last save to commit (or raises AsyncSaveError)
+    preemption = PreemptionWatch()
+    watchdog = Watchdog(config.watchdog_secs)
+    try:
+        service = checkpoints.open_service(config, program, preemption_decision=preemption.decided)
+        with watchdog.bounded("restoring", config.watchdog_secs):
+            start_step, state = checkpoints.restore_or_init(program, service, candidates)
+        saver = checkpoints.Saver(service, SavePolicy(config.save_every_steps, config.save_every_secs),
+                                  start_step=start_step, end_step=config.steps, preemption=preemption,
+                                  watchdog=watchdog, grace_secs=config.preemption_grace_secs)
+        loss_log = LossLog(config.workdir)
+        start = time.perf_counter()
+        watchdog.pet(f"step {start_step + 1} (compiles the step)")
+        state = run_steps(program, state, start_step, config.steps, loss_log, on_step=saver)
+        with watchdog.bounded("committing the final checkpoint", config.watchdog_secs):
+            jax.block_until_ready(state)
+            service.close()  # waits for the last save to commit (or raises AsyncSaveError)
+    finally:
+        watchdog.stop()
+        preemption.close()
     elapsed = time.perf_counter() - start
     ran = max(config.steps - start_step, 0)
     result = TrainResult(losses=loss_log.losses, state=state, steps_per_sec=ran / max(elapsed, 1e-9))

@@ -10,10 +10,11 @@ import jax
 from absl import app, logging
 
 from checkpointing.errors import BadCheckpointRequest, CheckpointError
-from launch import exit_codes, logs
+from launch import distributed, exit_codes, logs
+from launch.preemption import Preempted
 from trainer import flags as trainer_flags
 from trainer import loop
-from trainer.config import ConfigError, validate
+from trainer.config import validate
 
 
 def main(argv: list[str]) -> None:
@@ -21,11 +22,15 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
     try:
+        distributed.initialize()
         config = validate(trainer_flags.config_from_flags(), jax.device_count())
-    except ConfigError as err:
+    except ValueError as err:  # ConfigError included
         exit_codes.exit_bad_input(err)
     try:
         loop.train(config)
+    except Preempted as preempted:
+        logging.warning("%s: exiting with %d so the scheduler requeues the job", preempted, exit_codes.PREEMPTED)
+        sys.exit(exit_codes.PREEMPTED)
     except BadCheckpointRequest as err:
         exit_codes.exit_bad_input(err)
     except CheckpointError as err:

@@ -17,7 +17,7 @@ from absl import app, flags, logging
 from checkpointing import verdicts
 from checkpointing.errors import BadCheckpointRequest
 from checkpointing.service import committed_steps
-from launch import exit_codes, logs
+from launch import distributed, exit_codes, logs
 from trainer.config import ConfigError, check_mesh, parse_mesh
 from trainer.flags import MESH, WORKDIR
 from trainer.verifier import Verifier, VerifierOptions
@@ -44,6 +44,7 @@ def main(argv: list[str]) -> None:
     if FOLLOW.value == ONCE.value:
         exit_codes.exit_bad_input(ValueError("give exactly one of --follow and --once"))
     try:
+        distributed.initialize()
         if not WORKDIR.value:
             raise ConfigError("--workdir is required")
         mesh = parse_mesh(MESH.value)
@@ -58,7 +59,7 @@ def main(argv: list[str]) -> None:
             stop = threading.Event()
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
             verifier.follow(stop, until_step=UNTIL_STEP.value)
-    except (ConfigError, BadCheckpointRequest) as err:
+    except (ValueError, BadCheckpointRequest) as err:  # ConfigError included
         exit_codes.exit_bad_input(err)
     failing = failing_steps(WORKDIR.value)
     if failing:

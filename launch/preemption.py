@@ -1,0 +1,59 @@
+"""One preemption decision per step, taken once and reused by every caller in that step.
+
+With the JAX distributed runtime, SIGTERM to any one process is caught by JAX's preemption
+notifier and every process learns the same safe step from `reached_preemption_sync_point`, which
+must be called exactly once per step on every process (a second call for the same step has
+answered differently on one host and deadlocked a pod in an un-timed barrier). Orbax asks again
+inside save() and at finalization; the checkpoint service answers it from `decided()`.
+A single process has no notifier: SIGTERM sets a flag that the next step's decision reads.
+"""
+
+import signal
+import threading
+
+from absl import logging
+from jax.experimental import multihost_utils
+
+from launch import distributed
+
+
+class Preempted(Exception):
+    """The run was preempted at `step` and that step's checkpoint committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted at step {step}; its checkpoint committed")
+        self.step = step
+
+
+class PreemptionWatch:
+    def __init__(self):
+        self._multiprocess = distributed.is_multiprocess()
+        self._signalled = threading.Event()
+        self._decisions: dict[int, bool] = {}
+        self._previous_handler = None
+        if not self._multiprocess and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def close(self) -> None:
+        """Gives SIGTERM back to whoever had it (tests run the trainer in-process)."""
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        logging.warning("SIGTERM: saving at the next step boundary, then exiting for a requeue")
+        self._signalled.set()
+
+    def decide(self, step: int) -> bool:
+        """The decision for `step`; the runtime is asked only the first time per step."""
+        if step not in self._decisions:
+            if self._multiprocess:
+                decision = multihost_utils.reached_preemption_sync_point(step)
+            else:
+                decision = self._signalled.is_set()
+            self._decisions = {step: decision}  # only the current step is ever asked again
+        return self._decisions[step]
+
+    def decided(self, step: int) -> bool:
+        """What `decide(step)` answered; never asks the runtime (False for a step not decided)."""
+        return self._decisions.get(step, False)
