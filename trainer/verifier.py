@@ -20,6 +20,7 @@ import time
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
@@ -59,8 +60,11 @@ class Verifier:
 
     # --- one step ------------------------------------------------------------------------------
 
-    def verify(self, step: int) -> dict:
-        """Verifies `step` at the highest level its successors allow; returns the verdict (not written)."""
+    def verify(self, step: int, successor: int | None = -1) -> dict:
+        """Verifies `step` at the highest level its successors allow; returns the verdict (not written).
+
+        `successor` is the next committed step (None: there is none); -1 means look it up.
+        """
         durations = {}
         started = time.perf_counter()
         checkpoint_mesh = {}
@@ -83,7 +87,8 @@ class Verifier:
             return self._verdict(step, checkpoint_mesh, "intact", "fail",
                                  f"leaf .step holds {int(state.step)}, the checkpoint is step {step}", durations,
                                  mismatch={"kind": "leaf", "where": ".step", "expected": step, "actual": int(state.step)})
-        successor = next((s for s in committed_steps(self.options.workdir) if s > step), None)
+        if successor == -1:
+            successor = next((s for s in committed_steps(self.options.workdir) if s > step), None)
         if successor is None:
             return self._verdict(step, checkpoint_mesh, "intact", "pass",
                                  f"all {len(manifest['leaves'])} leaf fingerprints equal", durations)
@@ -185,8 +190,8 @@ class Verifier:
     def verify_pending(self) -> list[dict]:
         """Verifies every pending step once and writes its verdict; returns the verdicts."""
         written = []
-        for step in self.pending_steps():
-            verdict = self.verify(step)  # every process takes part (restores and replays are collective)
+        for step, successor in self._agreed_plan():
+            verdict = self.verify(step, successor)  # every process takes part: restores and replays are collective
             if jax.process_index() != 0:
                 written.append(verdict)
                 continue
@@ -208,7 +213,34 @@ class Verifier:
             stop.wait(delay)
         return written
 
+    def _agreed_plan(self) -> list[tuple[int, int | None]]:
+        """(step, successor) pairs to verify, decided by process 0 and the same on every process.
+
+        Processes listing the directory themselves could see different steps (a commit lands
+        between two listings) and then replay different lengths: a deadlock in the collectives.
+        """
+        plan = []
+        if jax.process_index() == 0:
+            committed = committed_steps(self.options.workdir)
+            for step in self.pending_steps():
+                plan.append((step, next((s for s in committed if s > step), None)))
+        if jax.process_count() == 1:
+            return plan
+        rows = np.array([[step, -2 if successor is None else successor] for step, successor in plan] or
+                        np.zeros((0, 2)), np.int64).reshape(-1, 2)
+        count = int(multihost_utils.broadcast_one_to_all(np.int32(len(rows))))
+        padded = np.zeros((max(count, 1), 2), np.int32)
+        padded[:len(rows)] = rows
+        padded = np.asarray(multihost_utils.broadcast_one_to_all(padded))[:count]
+        return [(int(step), None if successor == -2 else int(successor)) for step, successor in padded]
+
     def _finished(self, until_step: int | None) -> bool:
+        finished = self._finished_here(until_step) if jax.process_index() == 0 else False
+        if jax.process_count() > 1:
+            finished = bool(multihost_utils.broadcast_one_to_all(np.int32(finished)))
+        return finished
+
+    def _finished_here(self, until_step: int | None) -> bool:
         if self.pending_steps():
             return False
         committed = committed_steps(self.options.workdir)
