@@ -112,7 +112,10 @@ class Verifier:
         started = time.perf_counter()
         state, replayed = loop.replay_losses(program, state, step, len(steps))
         durations["replay"] = time.perf_counter() - started
-        exact = dict(program.mesh.shape) == successor_manifest["mesh"]
+        # Bit-exact only on the layout that recorded the losses: the same mesh in the same number
+        # of processes (gloo's cross-process reductions add in another order than in-process ones).
+        exact = (dict(program.mesh.shape) == successor_manifest["mesh"]
+                 and jax.process_count() == successor_manifest["process_count"])
         rtol = 0.0 if exact else CROSS_MESH_LOSS_RTOL[program.config.model]
         differences = {s: abs(replayed[s] - recorded[s]) / max(abs(recorded[s]), 1e-30) for s in steps}
         max_difference = max(differences.values())
