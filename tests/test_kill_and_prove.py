@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from checkpointing.inspect import recorded_losses
+from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps
 from tests import helpers
 from trainer import checkpoints

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from checkpointing.inspect import recorded_losses
+from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps
 from launch import exit_codes
 from launch.local import pod_exit_code
@@ -173,3 +173,16 @@ def test_a_stopped_peer_during_a_save_becomes_a_failure_exit_within_the_watchdog
             os.kill(stopped, signal.SIGKILL)
     assert code == exit_codes.FAILURE
     assert 5 < elapsed < 15 + 5 + 15, f"pod exit took {elapsed:.0f}s after the peer stopped"
+
+
+def test_the_demo_preempts_resumes_on_another_layout_and_proves_it(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "launch.demo", f"--workdir={tmp_path / 'demo'}", "--steps=60",
+                             "--save_every_steps=10"], env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == ["step", "committed", "verdict"]
+    assert any("preemption, 2 processes" in line for line in lines)
+    assert any("4 processes, data=8" in line for line in lines)
+    assert all(line.endswith(" pass") for line in lines[1:-1]), lines
+    assert lines[-1].startswith("RESULT: the resumed loss list equals the uninterrupted run's")
