@@ -2,6 +2,7 @@
 
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
+from checkpointing.paths import fresh_path
 from checkpointing.service import committed_steps, read_manifest, step_path
 
 
@@ -28,7 +29,7 @@ def table_rows(workdir: str) -> list[dict]:
         losses = list(manifest_lib.losses(manifest).values())
         rows.append({
             "step": step,
-            "bytes": directory_bytes(step_path(workdir, step)),
+            "bytes": directory_bytes(fresh_path(str(step_path(workdir, step)))),
             "mesh": ",".join(f"{axis}={size}" for axis, size in manifest["mesh"].items()),
             "processes": manifest["process_count"],
             "saved_at": manifest["saved_at"],

@@ -25,10 +25,14 @@ from orbax.checkpoint import checkpoint_managers
 
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
+from checkpointing.paths import fresh_path
 from checkpointing.errors import (AsyncSaveError, ConfigMismatchError, CorruptCheckpointError,
                                   FingerprintMismatchError, NoSuchCheckpointError, TreeMismatchError)
 
 STATE_ITEM = "state"
+# Orbax owns <workdir>/checkpoints alone: on gs:// it treats every directory without a commit
+# marker in its root as a killed save and deletes it, which would take verdicts with it.
+CHECKPOINTS_DIR = "checkpoints"
 SUPERSEDED_DIR = "superseded"  # steps set aside by a resume from an older step; never listed
 
 
@@ -107,14 +111,14 @@ class _Manager(ocp.CheckpointManager):
 
 def committed_steps(directory: str) -> list[int]:
     """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed."""
-    path = epath.Path(directory)
+    path = fresh_path(directory) / CHECKPOINTS_DIR
     if not path.exists():
         return []
     return sorted(ocp.path.step.checkpoint_steps(path))
 
 
 def step_path(directory: str, step: int) -> epath.Path:
-    return epath.Path(directory) / str(step)
+    return epath.Path(directory) / CHECKPOINTS_DIR / str(step)
 
 
 def read_manifest(directory: str, step: int) -> dict:
@@ -128,7 +132,7 @@ def read_manifest(directory: str, step: int) -> dict:
 
 
 class CheckpointService:
-    """Saves and restores one run's state tree in `directory` (local path or gs://)."""
+    """Saves and restores one run's state tree under `directory`/checkpoints (local path or gs://)."""
 
     def __init__(self, directory: str, options: CheckpointOptions = CheckpointOptions(), *,
                  run: RunMetadata | None = None, read_only: bool = False,
@@ -150,7 +154,7 @@ class CheckpointService:
             read_only=read_only,
             create=not read_only,
         )
-        self._manager = _Manager(epath.Path(self.directory), options=manager_options,
+        self._manager = _Manager(epath.Path(self.directory) / CHECKPOINTS_DIR, options=manager_options,
                                  item_names=(STATE_ITEM, manifest_lib.ITEM_NAME),
                                  preemption_decision=preemption_decision)
 

@@ -25,6 +25,7 @@ import uuid
 from etils import epath
 
 from checkpointing.errors import ManifestError
+from checkpointing.paths import fresh_path
 
 VERDICTS_DIR = "verdicts"
 LEVELS = ("intact", "reproducible")
@@ -90,7 +91,7 @@ def read(workdir: str, step: int) -> dict | None:
 
 
 def read_all(workdir: str) -> dict[int, dict]:
-    directory = epath.Path(workdir) / VERDICTS_DIR
+    directory = fresh_path(workdir) / VERDICTS_DIR
     if not directory.exists():
         return {}
     steps = sorted(int(p.name[:-5]) for p in directory.iterdir() if p.name.endswith(".json") and p.name[:-5].isdigit())

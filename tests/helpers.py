@@ -80,6 +80,11 @@ def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     return float(np.max(np.abs(x - y) / np.maximum(np.abs(y), 1e-30)))
 
 
+def checkpoint_dir(workdir: str, name: str = "") -> str:
+    """<workdir>/checkpoints[/name]: where Orbax keeps the steps of a run."""
+    return os.path.join(workdir, "checkpoints", name) if name else os.path.join(workdir, "checkpoints")
+
+
 def run_python(script: str, device_count: int = 8, timeout: float = 300, **env):
     """Runs a Python snippet in a fresh process with `device_count` fake devices."""
     return subprocess.run([sys.executable, "-c", script], env=subprocess_env(device_count, **env), cwd=REPO_ROOT,

@@ -151,8 +151,8 @@ def test_a_tree_mismatch_is_refused_naming_the_path(workdir, change, message):
 
 def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_up(workdir):
     config, _ = trained_run(workdir)
-    leftover = os.path.join(workdir, "30.orbax-checkpoint-tmp-1700000000")
-    shutil.copytree(os.path.join(workdir, "20"), leftover)  # a full-looking step, never renamed
+    leftover = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    shutil.copytree(helpers.checkpoint_dir(workdir, "20"), leftover)  # a full-looking step, never renamed
     assert committed_steps(workdir) == [10, 20]
     program = build_program(config, build_mesh(config))
     service = checkpoints.open_service(config, program)
@@ -262,7 +262,7 @@ def test_manifest_is_plain_json_validated_on_read(workdir):
         == manifest_lib.leaf_table(abstract)
     for root, _, files in os.walk(workdir):
         assert not [f for f in files if f.endswith((".pkl", ".pickle"))], root
-    path = os.path.join(workdir, "20", "manifest", "metadata")
+    path = os.path.join(helpers.checkpoint_dir(workdir, "20"), "manifest", "metadata")
     for broken, message in [("{not json", "not valid JSON"),
                             (json.dumps({**manifest, "step": "20"}), "field 'step' must be int"),
                             (json.dumps({k: v for k, v in manifest.items() if k != "leaves"}), "missing field")]:

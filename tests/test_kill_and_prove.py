@@ -25,7 +25,8 @@ TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
 def temporary_dirs(workdir: str) -> list[str]:
-    return [name for name in os.listdir(workdir) if TMP_MARKER in name] if os.path.isdir(workdir) else []
+    directory = helpers.checkpoint_dir(workdir)
+    return [name for name in os.listdir(directory) if TMP_MARKER in name] if os.path.isdir(directory) else []
 
 
 def kill_when(workdir: str, log_path: str, should_kill, timeout: float = 240) -> bool:

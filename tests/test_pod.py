@@ -13,7 +13,7 @@ import pytest
 from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps
 from launch import exit_codes
-from launch.local import pod_exit_code
+from launch.pod import pod_exit_code
 from tests import helpers
 from trainer.step import CROSS_MESH_LOSS_RTOL
 
@@ -160,7 +160,8 @@ def test_a_stopped_peer_during_a_save_becomes_a_failure_exit_within_the_watchdog
     try:
         pids = trainer_pids(launcher, 2)
         wait_for(lambda: committed_steps(workdir), 120, "the first checkpoint")
-        wait_for(lambda: any(".orbax-checkpoint-tmp" in n for n in os.listdir(workdir)), 120, "a save in flight")
+        wait_for(lambda: any(".orbax-checkpoint-tmp" in n for n in os.listdir(helpers.checkpoint_dir(workdir))), 120,
+                 "a save in flight")
         os.kill(pids[1], signal.SIGSTOP)
         stopped = pids[1]
         stopped_at = time.monotonic()

@@ -49,12 +49,12 @@ def rewrite_step(config, step, mutate, *, keep_saved_fingerprints):
     program = build_program(config, build_mesh(config))
     restored = checkpoints.open_service(config, program).restore(step, program.abstract_state)
     state = mutate(restored.state)
-    shutil.rmtree(os.path.join(config.workdir, str(step)))
+    shutil.rmtree(helpers.checkpoint_dir(config.workdir, str(step)))
     service = checkpoints.open_service(config, program)
     service.save(step, state, losses=manifest_lib.losses(restored.manifest), reason=restored.manifest["reason"])
     service.wait_until_finished()
     if keep_saved_fingerprints:
-        with open(os.path.join(config.workdir, str(step), "manifest", "metadata"), "w") as f:
+        with open(os.path.join(helpers.checkpoint_dir(config.workdir, str(step)), "manifest", "metadata"), "w") as f:
             json.dump(restored.manifest, f)
 
 
@@ -157,7 +157,7 @@ def test_mutations_are_caught_naming_what_is_wrong(workdir, mutate, keep_fingerp
 
 def test_altered_losses_in_a_manifest_are_caught_with_both_values(workdir):
     trained(workdir)
-    path = os.path.join(workdir, "20", "manifest", "metadata")
+    path = os.path.join(helpers.checkpoint_dir(workdir, "20"), "manifest", "metadata")
     manifest = json.load(open(path))
     original = manifest["losses"]["15"]
     manifest["losses"]["15"] = original * 1.001
@@ -171,8 +171,8 @@ def test_altered_losses_in_a_manifest_are_caught_with_both_values(workdir):
 
 def test_a_step_without_its_commit_marker_is_never_verified_or_touched(workdir):
     trained(workdir)
-    leftover = os.path.join(workdir, "40.orbax-checkpoint-tmp-1700000000")
-    shutil.copytree(os.path.join(workdir, "30"), leftover)
+    leftover = helpers.checkpoint_dir(workdir, "40.orbax-checkpoint-tmp-1700000000")
+    shutil.copytree(helpers.checkpoint_dir(workdir, "30"), leftover)
     before = snapshot(workdir)
     found = verify_in_process(workdir)
     assert sorted(found) == [10, 20, 30]
@@ -183,7 +183,7 @@ def test_a_step_without_its_commit_marker_is_never_verified_or_touched(workdir):
 def test_a_step_deleted_while_being_verified_gets_a_gone_verdict(workdir):
     trained(workdir)
     verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
-    shutil.rmtree(os.path.join(workdir, "20"))  # retention deleted it after the listing
+    shutil.rmtree(helpers.checkpoint_dir(workdir, "20"))  # retention deleted it after the listing
     verdict = verifier.verify(20)
     assert verdict["status"] == "gone"
 
@@ -227,7 +227,7 @@ def test_resume_from_latest_verified_refuses_when_nothing_is_verified(workdir):
 
 def test_a_corrupt_latest_step_falls_back_to_the_previous_one(workdir):
     trained(workdir)
-    for data_file in glob.glob(os.path.join(workdir, "30", "state", "**", "d", "*"), recursive=True):
+    for data_file in glob.glob(os.path.join(helpers.checkpoint_dir(workdir, "30"), "state", "**", "d", "*"), recursive=True):
         with open(data_file, "r+b") as f:
             f.truncate(8)
     result = train_subprocess(workdir, 40)
