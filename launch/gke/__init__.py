@@ -1,0 +1,1 @@
+"""GKE: the JobSet (one pod per TPU host) and verifier Job manifest (manifest.py)."""
