@@ -178,17 +178,19 @@ class Verifier:
     # --- the workdir ---------------------------------------------------------------------------
 
     def pending_steps(self) -> list[int]:
-        """Committed steps with no verdict, or only an intact one that a successor can now upgrade."""
+        """Steps to verify, newly committed ones first (their intact proof is what a resume waits
+        for), then intact-only steps that a successor can now upgrade to reproducible."""
         committed = committed_steps(self.options.workdir)
         existing = verdicts.read_all(self.options.workdir)
-        pending = []
+        new, upgrades = [], []
         for index, step in enumerate(committed):
             verdict = existing.get(step)
-            has_successor = index + 1 < len(committed)
-            if verdict is None or (verdict["level"] == "intact" and verdict["status"] == "pass" and has_successor
-                                   and verdict.get("successor") != committed[index + 1]):
-                pending.append(step)
-        return pending
+            if verdict is None:
+                new.append(step)
+            elif (self.options.replay_steps > 0 and index + 1 < len(committed) and verdict["level"] == "intact"
+                  and verdict["status"] == "pass" and verdict.get("successor") != committed[index + 1]):
+                upgrades.append(step)
+        return new + upgrades
 
     def verify_pending(self) -> list[dict]:
         """Verifies every pending step once and writes its verdict; returns the verdicts."""

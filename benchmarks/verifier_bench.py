@@ -1,0 +1,227 @@
+"""Verifier benchmark: how soon the verifier proves a step, and what it costs training, as ratios.
+
+The real trainer (`python -m trainer.train`, mlp, data=4,model=2 over 8 fake CPU devices, params +
+two Adam moments >= 256 MiB) runs as a subprocess, alone or with the real verifier following it
+(`python -m trainer.verify --follow --mesh=data=2`, 2 fake CPU devices, polling every 0.1-0.5s),
+one verifier variant per --replay_steps value (its default 100, and 0: intact proofs only):
+
+  1. verdict latency: from a step's commit (this process polls every 5 ms for the step's directory,
+     `<workdir>/checkpoints/<step>`, which Orbax renames from `<step>.orbax-checkpoint-tmp-*`) to
+     its first verdict (`verdicts/<step>.json` appearing: intact, or reproducible if the verifier
+     reaches the step after its successor committed), over a plain restore of the same steps
+     (`CheckpointService(workdir, read_only=True).restore(step, abstract_state)`, data=2 mesh,
+     2-device subprocess after training, warm-up restore excluded). Each run's first step
+     (verifier start-up, compiles) is left out.                                  target <= 1.5
+     Also the verifier's own restore time (the verdict's durations_secs) over the plain one.
+  2. trainer steps/s (its `done:` line) with the verifier following, over steps/s alone. The
+     verifier competes for the same CPU cores, so this is reported, not judged.
+
+Only ratios are judged; both sides come from the same run. Each round runs every variant in an
+order rotated each round, after a sync; every ratio is a ratio of medians. Subprocesses are killed
+by PID when their run ends, fails or times out; each run's workdir is deleted after it, but the
+newest verifier run's (the restore baseline reads it). The header gives other processes' CPU use.
+
+  PYTHONPATH=. .venv/bin/python -m benchmarks.verifier_bench [--rounds=2] [--steps=40] [--workdir=/tmp]
+"""
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app, flags, logging
+
+from checkpointing.service import step_path  # the workdir's layout as the service and verdicts define it
+from checkpointing.verdicts import verdict_path
+
+_STEPS = flags.DEFINE_integer("steps", 40, "Training steps per run.")
+_SAVE_EVERY = flags.DEFINE_integer("save_every_steps", 8, "Checkpoint interval (steps).")
+_HIDDEN = flags.DEFINE_integer("hidden_dim", 2688, "mlp hidden width (the state must be >= 256 MiB).")
+_LAYERS = flags.DEFINE_integer("num_layers", 4, "mlp hidden layers.")
+_INPUT = flags.DEFINE_integer("input_dim", 1024, "mlp input features.")
+_BATCH = flags.DEFINE_integer("batch_size", 64, "Global batch size.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs every variant once.")
+_REPLAY = flags.DEFINE_list("replay_steps", ["100", "0"], "Verifier --replay_steps values, one variant each.")
+_RESTORE_REPEATS = flags.DEFINE_integer("restore_repeats", 3, "Plain restores of each measured step.")
+_RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 300, "Kill a run's processes after this long.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default /tmp), deleted at the end.")
+_RESTORE_CHILD = flags.DEFINE_string("restore_child", None, "Internal: time plain restores of this workdir.")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DONE = re.compile(r"done: steps \d+\.\.\d+, final loss \S+, ([\d.]+) steps/s")
+
+
+def env(devices: int) -> dict:
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    flags_ = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path, XLA_FLAGS=flags_)
+
+
+def state_mib(h: int) -> float:
+    """float32 params (Dense input->h, (L-1) x h->h, h->1, with biases) and two Adam moments."""
+    return 3 * 4 * ((_INPUT.value + 1) * h + (_LAYERS.value - 1) * (h + 1) * h + h + 1) / 2**20
+
+
+def other_cpu_secs() -> float:
+    """CPU seconds the whole machine was busy (incl. steal), less this process's and its reaped children's."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK") - sum(os.times()[:4])
+
+
+def scan(step_dir: str, verdict_dir: str, commits: dict, verdicts: dict) -> None:
+    """Records when each step directory and each verdict file is first seen (and that verdict)."""
+    now = time.perf_counter()
+    for name in os.listdir(step_dir) if os.path.isdir(step_dir) else ():
+        if name.isdigit():
+            commits.setdefault(int(name), now)
+    for name in os.listdir(verdict_dir) if os.path.isdir(verdict_dir) else ():
+        match = re.fullmatch(r"(\d+)\.json", name)
+        if match and int(match[1]) not in verdicts:
+            with open(os.path.join(verdict_dir, name)) as f:
+                verdicts[int(match[1])] = (now, json.load(f))
+
+
+def run_once(run_dir: str, replay: str | None) -> dict:
+    """One training run, with a following verifier unless `replay` is None."""
+    ckpt = os.path.join(run_dir, "ckpt")
+    os.makedirs(ckpt)
+    train = [sys.executable, "-m", "trainer.train", f"--workdir={ckpt}", "--model=mlp", "--mesh=data=4,model=2",
+             f"--hidden_dim={_HIDDEN.value}", f"--num_layers={_LAYERS.value}", f"--input_dim={_INPUT.value}",
+             f"--batch_size={_BATCH.value}", f"--steps={_STEPS.value}", f"--save_every_steps={_SAVE_EVERY.value}",
+             "--max_to_keep=100"]
+    verify = [sys.executable, "-m", "trainer.verify", f"--workdir={ckpt}", "--mesh=data=2", "--follow",
+              "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={replay}"]
+    commits, verdicts, procs = {}, {}, {}
+    dirs = str(step_path(ckpt, 0).parent), str(verdict_path(ckpt, 0).parent)  # '<step>', '<step>.json' inside
+    try:  # the verifier first, so that it is polling by the first commit
+        for name, command, devices in ([("verify", verify, 2)] if replay is not None else []) + [("train", train, 8)]:
+            with open(os.path.join(run_dir, f"{name}.log"), "w") as log:
+                procs[name] = subprocess.Popen(command, cwd=ROOT, env=env(devices), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.perf_counter() + _RUN_TIMEOUT.value
+        while any(p.poll() is None for p in procs.values()) and procs["train"].poll() in (None, 0):
+            scan(*dirs, commits, verdicts)
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"run in {run_dir} still going after {_RUN_TIMEOUT.value}s")
+            time.sleep(0.005)
+        scan(*dirs, commits, verdicts)
+    finally:
+        for p in procs.values():
+            p.kill()  # by PID; a no-op for one that has exited and been reaped
+        for p in procs.values():
+            p.wait(timeout=60)
+    logs = {name: open(os.path.join(run_dir, f"{name}.log")).read() for name in procs}
+    for name in sorted(procs, key=lambda name: name != "train"):  # the trainer's failure is the cause
+        if procs[name].returncode != 0:
+            raise RuntimeError(f"{name} exited {procs[name].returncode}; log tail:\n{logs[name][-3000:]}")
+    steps_per_sec = float(DONE.findall(logs["train"])[-1])
+    if len(commits) < 2 or replay is not None and (set(commits) - set(verdicts) or
+                                                  any(v["status"] != "pass" for _, v in verdicts.values())):
+        raise RuntimeError(f"too few commits, or missing or failing verdicts, in {run_dir}: {commits} {verdicts}")
+    logging.info("run %s: %.3f steps/s, commit->verdict %s", run_dir, steps_per_sec,
+                 {s: round(verdicts[s][0] - commits[s], 2) for s in commits if s in verdicts})
+    steps = [s for s in sorted(commits)[1:] if s in verdicts]  # the first carries start-up and compiles
+    return {"steps_per_sec": [steps_per_sec], "latency": [verdicts[s][0] - commits[s] for s in steps],
+            "verifier_restore": [verdicts[s][1]["durations_secs"]["restore"] for s in steps],
+            "levels": [verdicts[s][1]["level"] for s in steps]}
+
+
+def restore_child(workdir: str) -> None:
+    """In a 2-device subprocess: times plain restores of every step but the first (the warm-up)."""
+    import dataclasses, gc, jax  # noqa: E401 (only this child imports jax)
+    from checkpointing.service import CheckpointService, committed_steps, read_manifest
+    from trainer.config import TrainConfig, validate
+    from trainer.program import build_mesh, build_program
+    steps = committed_steps(workdir)
+    config = TrainConfig.from_json(read_manifest(workdir, steps[0])["config"])
+    config = validate(dataclasses.replace(config, workdir=workdir, mesh=(("data", 2),)), jax.device_count())
+    program = build_program(config, build_mesh(config))
+    service, times = CheckpointService(workdir, read_only=True), []
+    for repeat in range(-1, _RESTORE_REPEATS.value):
+        for step in steps[:1] if repeat < 0 else steps[1:]:
+            gc.collect()
+            started = time.perf_counter()
+            state = jax.block_until_ready(service.restore(step, program.abstract_state).state)
+            times += [time.perf_counter() - started] if repeat >= 0 else []
+            del state
+    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(program.abstract_state))
+    print("RESTORE " + json.dumps({"bytes": nbytes, "times": times}))
+
+
+def plain_restores(workdir: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.verifier_bench", f"--restore_child={workdir}",
+                           f"--restore_repeats={_RESTORE_REPEATS.value}"], cwd=ROOT, env=env(2), capture_output=True,
+                          text=True, timeout=_RUN_TIMEOUT.value)  # run() kills the child by PID on a timeout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESTORE ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"restore child exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESTORE "):])
+
+
+def report(results: dict, restore: dict, other: tuple) -> str:
+    def raw(name, values, unit):
+        return f"{name} {statistics.median(values):.3f}{unit} [" + ", ".join(f"{v:.3f}" for v in values) + "]"
+
+    def row(label, num, den, target=None, unit="s"):
+        value = statistics.median(num[1]) / statistics.median(den[1])
+        met = "n/a" if target is None else ("yes" if value <= target else "NO")
+        return (f"| {label} | {value:.3f} | {'-' if target is None else f'<= {target:.2f}'} | {met} | "
+                f"{raw(*num, unit)} | {raw(*den, unit)} |")
+
+    def gather(variant, key):
+        return [x for run in results[variant] for x in run[key]]
+
+    plain = ("restore", restore["times"])
+    lines = [f"Verifier benchmark: mlp state of {restore['bytes'] / 2**20:.1f} MiB (params + 2 Adam moments), trainer "
+             f"on data=4,model=2 (8 CPU devices), verifier on data=2 (2 CPU devices); {_STEPS.value} steps saving every "
+             f"{_SAVE_EVERY.value}; medians over {_ROUNDS.value} rounds (variants rotated), raw values in brackets. "
+             f"Latencies leave out each run's first step. Other processes used {other[0]:.0f} CPU-s in the "
+             f"{other[1]:.0f}s it ran ({other[0] / other[1] / os.cpu_count():.1%} of {os.cpu_count()} cores).", "",
+             "| ratio | value | target | met | numerator | denominator |", "|---|---|---|---|---|---|"]
+    lines += [row(f"commit -> first verdict (replay_steps={r}) / plain restore", ("latency", gather(r, "latency")),
+                  plain, 1.5) for r in _REPLAY.value]
+    lines += [row(f"verifier's own restore (replay_steps={r}) / plain restore",
+                  ("verdict restore", gather(r, "verifier_restore")), plain) for r in _REPLAY.value]
+    lines += [row(f"training steps/s with verifier (replay_steps={r}) / alone", ("with", gather(r, "steps_per_sec")),
+                  ("alone", gather(None, "steps_per_sec")), unit=" steps/s") for r in _REPLAY.value]
+    lines += [""] + [f"First verdicts (replay_steps={r}): {levels.count('intact')} intact, "
+                     f"{levels.count('reproducible')} reproducible." for r in _REPLAY.value
+                     for levels in [gather(r, "levels")]]
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    if _RESTORE_CHILD.value:
+        return restore_child(_RESTORE_CHILD.value)
+    if state_mib(_HIDDEN.value) < 256:
+        raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below 256 MiB: raise --hidden_dim")
+    root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or "/tmp")
+    variants = [None] + _REPLAY.value
+    results, keep, other, started = {variant: [] for variant in variants}, None, other_cpu_secs(), time.time()
+    try:
+        logging.info("state %.1f MiB; workdir %s", state_mib(_HIDDEN.value), root)
+        for round_ in range(_ROUNDS.value):
+            shift = round_ % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                os.sync()
+                run_dir = os.path.join(root, f"round{round_}_{'alone' if variant is None else 'replay' + variant}")
+                results[variant].append(run_once(run_dir, variant))
+                if variant is not None:  # keep the newest verifier run's checkpoints for the restore baseline
+                    keep, run_dir = run_dir, keep
+                if run_dir:
+                    shutil.rmtree(run_dir)
+        os.sync()
+        restore = plain_restores(os.path.join(keep, "ckpt"))
+        print(report(results, restore, (other_cpu_secs() - other, time.time() - started)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
