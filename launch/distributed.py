@@ -31,6 +31,7 @@ def _scheduler_runs_many_processes() -> str | None:
 def initialize() -> None:
     """Starts the JAX distributed runtime if this is a multi-process job; call before any JAX work."""
     if COORDINATOR_ADDRESS.value:
+        source = "flags"
         if NUM_PROCESSES.value is None or PROCESS_ID.value is None:
             raise ValueError("--coordinator_address needs --num_processes and --process_id")
         if PROCESS_ID.value >= NUM_PROCESSES.value:
@@ -42,8 +43,8 @@ def initialize() -> None:
         jax.distributed.initialize(heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_SECS.value)
     else:
         return
-    logging.info("process %d of %d, %d local devices of %d", jax.process_index(), jax.process_count(),
-                 jax.local_device_count(), jax.device_count())
+    logging.info("process %d of %d (from %s), %d local devices of %d", jax.process_index(), jax.process_count(),
+                 source, jax.local_device_count(), jax.device_count())
 
 
 def is_multiprocess() -> bool:

@@ -1,7 +1,6 @@
 """Eight fake CPU devices, set before JAX is imported anywhere in the test process."""
 
 import os
-import sys
 
 os.environ["XLA_FLAGS"] = " ".join(
     flag for flag in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in flag

@@ -1,6 +1,5 @@
 """`python -m trainer.train` as a user runs it: it trains, and bad flags exit 2 with one line."""
 
-import os
 
 import pytest
 

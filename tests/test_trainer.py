@@ -1,11 +1,8 @@
 """The trainer foundation: one executable, strong int32 step, donation, determinism across meshes."""
 
-import json
-import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from tests import helpers
