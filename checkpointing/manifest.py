@@ -15,26 +15,35 @@ Fields:
   leaves         {"<key path>": {"shape": [int], "dtype": str, "fingerprint": int}}
   saved_at       ISO-8601 UTC time the manifest was written (during the background save)
   reason         why it was saved: interval, time, final, preemption
+  extra          optional JSON object the trainer adds (commit times, the chosen save interval)
+  digest         sha256 of every other field in canonical JSON (sorted keys, no spaces): an edited
+                 loss, fingerprint or config field makes the step corrupt instead of framing a
+                 neighbour's proof (a check against accidents, not a signature)
+Format 1 manifests (before the digest) are still read; format 2 requires the digest.
 """
 
 import datetime
+import hashlib
 import importlib.metadata
 import json
+import math
 from typing import Any
 
 import jax
 
 from checkpointing.errors import ManifestError
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+_READABLE_FORMATS = (1, 2)
 ITEM_NAME = "manifest"  # Orbax item name inside a step
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 
 # field -> (type, check of the value); every field is required.
 _SCHEMA: dict[str, tuple[type | tuple, Any]] = {
-    "format": (int, lambda v: v == MANIFEST_FORMAT),
+    "format": (int, lambda v: v in _READABLE_FORMATS),
     "step": (int, lambda v: v >= 0),
-    "losses": (dict, lambda v: all(k.isdigit() and isinstance(x, float) for k, x in v.items())),
+    # A non-finite loss is no claim worth proving: the step is corrupt.
+    "losses": (dict, lambda v: all(k.isdigit() and isinstance(x, float) and math.isfinite(x) for k, x in v.items())),
     "config": (dict, None),
     "fixed_hash": (str, None),
     "fixed_fields": (dict, None),
@@ -61,7 +70,8 @@ def leaf_table(tree) -> dict[str, dict]:
 
 
 def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], losses: dict[int, float],
-          config: dict, fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str) -> dict:
+          config: dict, fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str,
+          extra: dict | None = None) -> dict:
     """`leaves` is leaf_table(state); each entry gets its fingerprint."""
     leaves = {path: {**leaf, "fingerprint": fingerprints[path]} for path, leaf in leaves.items()}
     manifest = {
@@ -78,8 +88,17 @@ def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], l
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "reason": reason,
     }
+    if extra:  # optional, so older manifests stay valid; covered by the digest like every field
+        manifest["extra"] = dict(extra)
+    manifest["digest"] = digest(manifest)
     validate(manifest)
     return manifest
+
+
+def digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its own digest field."""
+    content = {k: v for k, v in manifest.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def validate(manifest: Any, where: str = "manifest") -> dict:
@@ -95,6 +114,8 @@ def validate(manifest: Any, where: str = "manifest") -> dict:
             raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}, got {type(value).__name__}")
         if check is not None and not check(value):
             raise ManifestError(f"{where}: field {field!r} has an invalid value")
+    if manifest["format"] >= 2 and manifest.get("digest") != digest(manifest):
+        raise ManifestError(f"{where}: content does not match its digest (edited or damaged after the save)")
     return manifest
 
 
@@ -104,6 +125,7 @@ def losses(manifest: dict) -> dict[int, float]:
 
 def parse(text: str, where: str) -> dict:
     try:
+        # NaN/Infinity are not JSON; Python's parser accepts them, the schema then refuses them.
         return validate(json.loads(text), where)
     except json.JSONDecodeError as err:
         raise ManifestError(f"{where}: not valid JSON ({err})") from None

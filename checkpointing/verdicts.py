@@ -3,15 +3,27 @@
 Written atomically (a whole file appears or none: rename on a local disk, a single object write on
 gs://) under `<workdir>/verdicts/<step>.json`, and schema-checked on read like manifests.
 
+Levels, weakest first (each includes the ones before it):
+  intact      the step restored onto the verifier's mesh: its manifest matches its digest, every
+              leaf's fingerprint equals the manifest's, every leaf and recorded loss is finite and
+              the step counter equals the step
+  replayed    a replay from a reproduced predecessor matched the losses this step recorded for
+              the replayed steps, but stopped short of the step (--replay_steps < the distance):
+              the step's own state is not proved
+  reproduced  a replay from the newest reproduced predecessor (or the config's init, for the
+              first checkpoint) reached this step with every loss it recorded and its whole state
+              equal: bit-exact on the layout that recorded it, within per-leaf tolerances on
+              another. Only these steps anchor later proofs and `--resume_from=latest_verified`.
+
 Fields:
-  step                     int
-  level                    "intact" (restored on another mesh, every fingerprint equal) or
-                           "reproducible" (also: replayed steps match the successor's recorded losses)
-  status                   "pass", "fail" or "gone" (deleted by retention while being verified)
-  detail                   one line: what was checked, or what is wrong (the first mismatch, both values)
+  step, level, status ("pass", "fail" or "gone": deleted while being verified)
+  complete                 false while a replay is still to come (the intact part is written first)
+  detail                   one line: what was proved, or the first mismatch with both values
   mismatch                 null, or {"kind", "where", "expected", "actual"} of the first mismatch
-  max_relative_difference  float or null: largest relative loss difference of the replay
-  replayed_steps           int; successor: int or null (the step whose losses the replay was compared with)
+  max_relative_difference  float or null: the largest relative loss difference of the replay
+  replayed_from            null, or the step the replay started from (0: the config's init)
+  replayed_steps, compared_losses   int
+  manifest_digest          the digest of the manifest proved (a verdict belongs to one save)
   checkpoint_mesh, verifier_mesh   {"axis": size}
   durations_secs           {"restore": float, "replay": float, ...}
   verified_at              ISO-8601 UTC
@@ -24,16 +36,17 @@ import uuid
 
 from etils import epath
 
-from checkpointing.errors import ManifestError
+from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
 from checkpointing.paths import fresh_path
 
 VERDICTS_DIR = "verdicts"
-LEVELS = ("intact", "reproducible")
+LEVELS = ("intact", "replayed", "reproduced")
 STATUSES = ("pass", "fail", "gone")
 
 _REQUIRED = {
-    "step": int, "level": str, "status": str, "detail": str, "replayed_steps": int,
-    "checkpoint_mesh": dict, "verifier_mesh": dict, "durations_secs": dict, "verified_at": str,
+    "step": int, "level": str, "status": str, "complete": bool, "detail": str, "replayed_steps": int,
+    "compared_losses": int, "checkpoint_mesh": dict, "verifier_mesh": dict, "durations_secs": dict,
+    "verified_at": str,
 }
 
 
@@ -42,12 +55,14 @@ def verdict_path(workdir: str, step: int) -> epath.Path:
 
 
 def make(*, step: int, level: str, status: str, detail: str, checkpoint_mesh: dict, verifier_mesh: dict,
-         durations_secs: dict, mismatch: dict | None = None, max_relative_difference: float | None = None,
-         replayed_steps: int = 0, successor: int | None = None) -> dict:
+         durations_secs: dict, complete: bool = True, mismatch: dict | None = None,
+         max_relative_difference: float | None = None, replayed_from: int | None = None, replayed_steps: int = 0,
+         compared_losses: int = 0, manifest_digest: str | None = None) -> dict:
     verdict = {
-        "step": step, "level": level, "status": status, "detail": detail, "mismatch": mismatch,
-        "max_relative_difference": max_relative_difference, "replayed_steps": replayed_steps,
-        "successor": successor, "checkpoint_mesh": checkpoint_mesh, "verifier_mesh": verifier_mesh,
+        "step": step, "level": level, "status": status, "complete": complete, "detail": detail,
+        "mismatch": mismatch, "max_relative_difference": max_relative_difference,
+        "replayed_from": replayed_from, "replayed_steps": replayed_steps, "compared_losses": compared_losses,
+        "manifest_digest": manifest_digest, "checkpoint_mesh": checkpoint_mesh, "verifier_mesh": verifier_mesh,
         "durations_secs": {k: round(v, 4) for k, v in durations_secs.items()},
         "verified_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -58,7 +73,7 @@ def validate(verdict, where: str = "verdict") -> dict:
     if not isinstance(verdict, dict):
         raise ManifestError(f"{where}: not a JSON object")
     for field, kind in _REQUIRED.items():
-        if not isinstance(verdict.get(field), kind) or isinstance(verdict.get(field), bool):
+        if not isinstance(verdict.get(field), kind) or isinstance(verdict.get(field), bool) and kind is not bool:
             raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}")
     if verdict["level"] not in LEVELS or verdict["status"] not in STATUSES:
         raise ManifestError(f"{where}: bad level/status {verdict['level']!r}/{verdict['status']!r}")
@@ -68,14 +83,20 @@ def validate(verdict, where: str = "verdict") -> dict:
 def write(workdir: str, verdict: dict) -> None:
     """Writes the verdict so that readers see the old file or the new one, never a part."""
     path = verdict_path(workdir, verdict["step"])
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(verdict, indent=1, sort_keys=True)
-    if str(path).startswith("gs://"):
-        path.write_text(text)  # a GCS object appears whole or not at all
-        return
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if str(path).startswith("gs://"):
+            path.write_text(text)  # a GCS object appears whole or not at all
+            return
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        # A full disk fails the write (or the rename) after the tmp file exists: never leave it behind.
+        if not str(path).startswith("gs://"):
+            tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"verdict of step {verdict['step']}: cannot write {path}: {one_line_cause(err)}") from err
 
 
 def read(workdir: str, step: int) -> dict | None:
@@ -90,6 +111,15 @@ def read(workdir: str, step: int) -> dict | None:
         raise ManifestError(f"verdict of step {step}: not valid JSON ({err})") from None
 
 
+def read_steps(workdir: str, steps) -> dict[int, dict]:
+    """The verdicts of just these steps (those that have one): one read each, no listing.
+
+    Callers that know which steps matter (the committed ones) read only those, not every verdict
+    a long run ever wrote (on gs:// each read is a request).
+    """
+    return {step: verdict for step in sorted(steps) if (verdict := read(workdir, step)) is not None}
+
+
 def read_all(workdir: str) -> dict[int, dict]:
     directory = fresh_path(workdir) / VERDICTS_DIR
     if not directory.exists():
@@ -98,15 +128,23 @@ def read_all(workdir: str) -> dict[int, dict]:
     return {step: verdict for step in steps if (verdict := read(workdir, step)) is not None}
 
 
-def passed_steps(workdir: str) -> list[int]:
-    """Steps whose verdict passed (at any level), ascending."""
-    return [step for step, verdict in read_all(workdir).items() if verdict["status"] == "pass"]
+def is_reproduced(verdict: dict | None) -> bool:
+    """Whether a verdict proves its step's own state (the only kind a resume or a proof may start from)."""
+    return verdict is not None and verdict["level"] == "reproduced" and verdict["status"] == "pass"
 
 
-def newest_verified_step(workdir: str) -> int | None:
-    steps = passed_steps(workdir)
+def reproduced_steps(workdir: str, among) -> list[int]:
+    """Which of the steps `among` (e.g. the committed ones) were reproduced from the seed's chain
+    of trust, ascending."""
+    return [step for step, verdict in read_steps(workdir, among).items() if is_reproduced(verdict)]
+
+
+def newest_reproduced_step(workdir: str, among) -> int | None:
+    steps = reproduced_steps(workdir, among)
     return steps[-1] if steps else None
 
 
 def summary(verdict: dict | None) -> str:
-    return "-" if verdict is None else f"{verdict['level']} {verdict['status']}"
+    if verdict is None:
+        return "-"
+    return f"{verdict['level']} {verdict['status']}" + ("" if verdict["complete"] else " (replaying)")

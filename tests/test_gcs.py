@@ -79,8 +79,9 @@ def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     verify = run("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", gcs_env=gcs_env, device_count=2)
     assert verify.returncode == 0, verify.stderr[-3000:]
     found = verdicts.read_all(workdir)
-    assert [(s, v["level"], v["status"]) for s, v in found.items()] == [(30, "reproducible", "pass"),
-                                                                        (40, "intact", "pass")]
+    # Retention deleted 10 and 20 first: step 30 is proved from the init, 40 from 30.
+    assert [(s, v["level"], v["status"], v["replayed_from"]) for s, v in found.items()] == [
+        (30, "reproduced", "pass", 0), (40, "reproduced", "pass", 30)]
     resumed = run("trainer.train", f"--workdir={workdir}", "--steps=50", "--max_to_keep=2", *TRAIN, gcs_env=gcs_env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 40" in resumed.stderr
@@ -88,7 +89,7 @@ def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     table = run("checkpointing.inspect", f"--workdir={workdir}", gcs_env=gcs_env)
     assert table.returncode == 0, table.stderr[-2000:]
     assert [row.split()[0] for row in table.stdout.strip().splitlines()[1:]] == ["40", "50"]
-    assert "intact pass" in table.stdout.splitlines()[1]
+    assert "reproduced pass" in table.stdout.splitlines()[1]
     local = str(tmp_path / "local")
     reference = helpers.run_module("trainer.train", f"--workdir={local}", "--steps=50", "--max_to_keep=100", *TRAIN)
     assert reference.returncode == 0
@@ -148,4 +149,4 @@ def test_follow_verifier_over_gcs(gcs_env, tmp_path):
         assert verifier.wait(timeout=240) == 0, open(tmp_path / "verifier.log").read()[-3000:]
     found = verdicts.read_all(workdir)
     assert [(s, v["level"], v["status"]) for s, v in found.items()] == [
-        (10, "reproducible", "pass"), (20, "reproducible", "pass"), (30, "intact", "pass")]
+        (10, "reproduced", "pass"), (20, "reproduced", "pass"), (30, "reproduced", "pass")]

@@ -20,9 +20,11 @@ def train_step(model, state: TrainState, batch) -> tuple[TrainState, jax.Array]:
 # so the relative error grows as the loss shrinks). The bounds keep a ~10x margin.
 CROSS_MESH_LOSS_RTOL = {"mlp": 1e-5, "transformer": 2e-4}
 
-# How far a whole replayed state may drift from the one another mesh produced: the relative norm
-# ||replayed - saved|| / ||saved|| over every leaf at once. Per leaf is no use: a parameter whose
-# exact gradient is zero (an attention key bias: softmax ignores a per-query constant) receives
-# pure rounding noise, which Adam scales into real, mesh-dependent updates. Measured after 60 steps
-# across the four 8-device meshes: mlp 8.7e-8, transformer 6.2e-4 (almost all in the key biases).
-CROSS_MESH_STATE_RTOL = {"mlp": 1e-5, "transformer": 5e-3}
+# How far each leaf of a replayed state may drift from the one another layout produced:
+# ||replayed - saved|| <= rtol * max(||replayed||, ||moved during the replay||) per leaf
+# (trainer/tolerances.py). Measured over 10 and 50 replayed steps on data=8, model=8 and
+# data=2/model=4 against data=4/model=2: relative to that scale every leaf is within 3e-7 (mlp) and
+# 2.4e-6 (transformer), except the leaves driven by rounding noise (an attention key bias has an
+# exactly-zero gradient: softmax ignores a per-query constant; Adam scales the noise into updates
+# of its own size), which differ by up to 1.6x their movement and are bounded by it separately.
+CROSS_MESH_STATE_RTOL = {"mlp": 1e-5, "transformer": 1e-4}

@@ -1,16 +1,18 @@
 """The verifier: proves each committed checkpoint on its own mesh, read-only, and writes verdicts.
 
-Two levels per step:
-  intact        restore onto the verifier's mesh from an explicit abstract target; every leaf's
-                fingerprint equals the manifest (checked by the service) and the step counter
-                equals the step.
-  reproducible  once the next checkpoint exists, replay up to `replay_steps` steps from the restored
-                state with the trainer's own step and data, and compare the loss list with the one
-                the successor recorded: bit-exact on the mesh that recorded it, within
-                CROSS_MESH_LOSS_RTOL otherwise. A replay that reaches the successor also compares
-                the whole state with it (fingerprints on the same mesh, a relative norm per leaf
-                otherwise).
-It only reads checkpoints; the one thing it writes is verdicts (checkpointing.verdicts).
+Proofs run forward, so that blame lands on the step that is wrong (levels: checkpointing/verdicts.py):
+  intact      restore onto the verifier's mesh from an explicit abstract target: the manifest
+              matches its digest, every fingerprint its leaf (checked by the service), every value
+              is finite and the step counter is the step. Written at once (complete=false).
+  reproduced  replay from the newest reproduced predecessor (the config's init for the first
+              checkpoint) up to this step: every loss the step recorded, and then its whole state,
+              must come out equal (trainer/tolerances.py: bit-exact on the recording layout,
+              per-leaf tolerances on another). A proved step becomes the next proof's start, so the
+              chain of trust goes back to the seed and the final step is proved as soon as it commits.
+  replayed    the weaker level when the distance exceeds --replay_steps: the replay compared the
+              losses it reached, the step's own state is not proved.
+A tampered step fails its own proof; its predecessor stays proved and its successor is proved
+from the predecessor. It only reads checkpoints; the one thing it writes is verdicts.
 """
 
 import dataclasses
@@ -18,157 +20,181 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
 
+from checkpointing import compare
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing.errors import CheckpointError, FingerprintMismatchError, TreeMismatchError
 from checkpointing.service import CheckpointService, committed_steps, read_manifest
-from trainer import loop
+from trainer import loop, tolerances
 from trainer.config import TrainConfig, validate
-from trainer.program import build_mesh, build_program
-from trainer.step import CROSS_MESH_LOSS_RTOL, CROSS_MESH_STATE_RTOL
+from trainer.program import Program, build_mesh, build_program
+
+INIT = 0  # replayed_from of a proof that starts at the config's init (no checkpoint is step 0)
 
 
 @dataclasses.dataclass(frozen=True)
 class VerifierOptions:
     workdir: str  # the trainer's workdir (local path or gs://)
     mesh: tuple[tuple[str, int], ...] = ()  # the verifier's own mesh; () means data=<its devices>
-    replay_steps: int = 100  # replay at most this many steps towards the successor
+    replay_steps: int = 100  # a proof replays at most this many steps (beyond: the weaker 'replayed')
     poll_secs: float = 1.0  # first wait between directory polls in --follow
     max_poll_secs: float = 30.0  # polls back off (x2 when nothing new) up to this
+
+
+@dataclasses.dataclass(frozen=True)
+class _Anchor:
+    """A proved state the next proof replays from (kept on device, never donated)."""
+
+    step: int
+    state: object
+    fixed_hash: str
 
 
 class Verifier:
     def __init__(self, options: VerifierOptions):
         self.options = options
-        self._programs: dict[str, tuple] = {}  # fixed_hash -> (program, read-only service)
+        self._programs: dict[str, tuple[Program, CheckpointService]] = {}  # fixed_hash -> both
+        self._anchor: _Anchor | None = None  # the newest step this process reproduced
+        self._copies: dict[str, object] = {}  # fixed_hash -> jitted copy onto the state shardings
 
-    def _program_for(self, manifest: dict):
+    def _program_for(self, manifest: dict) -> tuple[Program, CheckpointService]:
         key = manifest["fixed_hash"]
         if key not in self._programs:
             config = TrainConfig.from_json(manifest["config"])
             config = validate(dataclasses.replace(config, workdir=self.options.workdir, mesh=self.options.mesh,
-                                                  resume_from="latest"), jax.device_count())
+                                                  resume_from="latest"), jax.device_count(), check_workdir=False)
             program = build_program(config, build_mesh(config))
-            service = CheckpointService(self.options.workdir, read_only=True)
-            self._programs[key] = (program, service)
+            self._programs[key] = (program, CheckpointService(self.options.workdir, read_only=True))
         return self._programs[key]
 
     # --- one step ------------------------------------------------------------------------------
 
-    def verify(self, step: int, successor: int | None = -1) -> dict:
-        """Verifies `step` at the highest level its successors allow; returns the verdict (not written).
+    def verify(self, step: int, disk_anchor: int | None = None, on_intact=None) -> dict:
+        """Proves `step` as far as it goes and returns the verdict (not written).
 
-        `successor` is the next committed step (None: there is none); -1 means look it up.
+        `disk_anchor` is a reproduced step on disk to start from when this process holds none
+        newer; `on_intact(verdict)` receives the intact verdict before the replay starts.
         """
-        durations = {}
-        started = time.perf_counter()
-        checkpoint_mesh = {}
+        durations, started = {}, time.perf_counter()
+        manifest = {}
         try:
             manifest = read_manifest(self.options.workdir, step)
-            checkpoint_mesh = manifest["mesh"]
             program, service = self._program_for(manifest)
-            restored = service.restore(step, program.abstract_state)
-            state = restored.state
-            durations["restore"] = time.perf_counter() - started
+            state = service.restore(step, program.abstract_state).state
         except (FingerprintMismatchError, TreeMismatchError) as err:
-            return self._verdict(step, checkpoint_mesh, "intact", "fail", str(err), durations,
-                                 mismatch=_leaf_mismatch(err))
+            return self._verdict(step, manifest, "intact", "fail", str(err), durations, mismatch=_leaf_mismatch(err))
         except CheckpointError as err:
             if step not in committed_steps(self.options.workdir):
-                return self._verdict(step, checkpoint_mesh, "intact", "gone", f"deleted while being verified ({err})",
-                                     durations)
-            return self._verdict(step, checkpoint_mesh, "intact", "fail", str(err), durations)
-        if int(state.step) != step:
-            return self._verdict(step, checkpoint_mesh, "intact", "fail",
-                                 f"leaf .step holds {int(state.step)}, the checkpoint is step {step}", durations,
-                                 mismatch={"kind": "leaf", "where": ".step", "expected": step, "actual": int(state.step)})
-        if successor == -1:
-            successor = next((s for s in committed_steps(self.options.workdir) if s > step), None)
-        if successor is None:
-            return self._verdict(step, checkpoint_mesh, "intact", "pass",
-                                 f"all {len(manifest['leaves'])} leaf fingerprints equal", durations)
-        return self._check_reproducible(step, state, program, checkpoint_mesh, successor, durations)
+                return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})", durations)
+            return self._verdict(step, manifest, "intact", "fail", str(err), durations)
+        durations["restore"] = time.perf_counter() - started
+        problem = _intact_problem(step, state)
+        if problem:
+            return self._verdict(step, manifest, "intact", "fail", problem.detail, durations, mismatch=problem.as_dict())
+        intact = self._verdict(step, manifest, "intact", "pass",
+                               f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
+                               complete=False)
+        if on_intact is not None:
+            on_intact(intact)
+        return self._prove(step, state, manifest, program, durations, disk_anchor)
 
-    def _check_reproducible(self, step, state, program, checkpoint_mesh, successor, durations) -> dict:
-        try:
-            successor_manifest = read_manifest(self.options.workdir, successor)
-        except CheckpointError:  # deleted by retention meanwhile: intact is all this pass can prove
-            return self._verdict(step, checkpoint_mesh, "intact", "pass", "fingerprints equal; successor gone", durations)
-        recorded = manifest_lib.losses(successor_manifest)
-        steps = []
-        for s in range(step, min(successor, step + self.options.replay_steps)):
-            if s not in recorded:
-                break
-            steps.append(s)
-        if not steps:
-            return self._verdict(step, checkpoint_mesh, "intact", "pass",
-                                 f"fingerprints equal; successor {successor} records no losses from step {step}",
-                                 durations, successor=successor)
+    def _prove(self, step, state, manifest, program, durations, disk_anchor) -> dict:
+        anchor = self._anchor_for(step, manifest, program, disk_anchor)
+        distance = step - anchor.step
+        count = min(distance, self.options.replay_steps)
+        recorded = {s: v for s, v in manifest_lib.losses(manifest).items() if anchor.step <= s < anchor.step + count}
+        origin = "the config's init" if anchor.step == INIT else f"step {anchor.step}"
+        if count == 0 or (count < distance and not recorded):
+            return self._verdict(step, manifest, "intact", "pass",
+                                 f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
+                                 f"--replay_steps={self.options.replay_steps} and reach none of its recorded losses",
+                                 durations)
+        exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
-        state, replayed = loop.replay_losses(program, state, step, len(steps))
+        replayed_state, replayed = loop.replay_losses(program, self._copy(anchor.state, manifest['fixed_hash'], program), anchor.step, count)
         durations["replay"] = time.perf_counter() - started
-        # Bit-exact only on the layout that recorded the losses: the same mesh in the same number
-        # of processes (gloo's cross-process reductions add in another order than in-process ones).
-        exact = (dict(program.mesh.shape) == successor_manifest["mesh"]
-                 and jax.process_count() == successor_manifest["process_count"])
-        rtol = 0.0 if exact else CROSS_MESH_LOSS_RTOL[program.config.model]
-        differences = {s: abs(replayed[s] - recorded[s]) / max(abs(recorded[s]), 1e-30) for s in steps}
-        max_difference = max(differences.values())
-        common = dict(checkpoint_mesh=checkpoint_mesh, durations=durations, max_difference=max_difference,
-                      replayed=len(steps), successor=successor)
-        for s in steps:
-            if (replayed[s] != recorded[s]) if exact else differences[s] > rtol:
-                return self._verdict(
-                    step, level="reproducible", status="fail",
-                    detail=f"replayed loss of step {s} is {replayed[s]!r}, step {successor} recorded {recorded[s]!r}"
-                           f" ({'exact' if exact else f'rtol {rtol:g}'} comparison)",
-                    mismatch={"kind": "loss", "where": s, "expected": recorded[s], "actual": replayed[s]}, **common)
-        if step + len(steps) == successor:
-            problem = self._compare_with_successor(state, program, successor, successor_manifest, exact)
-            if problem:
-                return self._verdict(step, level="reproducible", status="fail", detail=problem[0],
-                                     mismatch=problem[1], **common)
-        return self._verdict(step, level="reproducible", status="pass",
-                             detail=f"fingerprints equal; {len(steps)} replayed losses match step {successor}"
-                                    f" ({'bit-exact' if exact else f'max rel diff {max_difference:.2e}'})"
-                                    + ("; state equals the successor" if step + len(steps) == successor else ""),
-                             **common)
+        mismatch, largest = compare.compare_losses(replayed, recorded, tolerances.loss_rtol(program.config.model, exact))
+        level = "reproduced" if count == distance else "replayed"
+        common = dict(max_difference=largest, replayed_from=anchor.step, replayed=count, compared=len(recorded))
+        how = "bit-exact" if exact else f"max rel diff {largest:.2e}"
+        if mismatch is None and level == "reproduced":
+            mismatch = self._state_mismatch(replayed_state, anchor.state, state, manifest, program, exact)
+        if mismatch is not None:
+            return self._verdict(step, manifest, level, "fail", f"replayed from {origin}: {mismatch.detail}", durations,
+                                 mismatch=mismatch.as_dict(), **common)
+        if level == "replayed":
+            return self._verdict(step, manifest, level, "pass",
+                                 f"replayed {count} of {distance} steps from {origin}: {len(recorded)} recorded losses "
+                                 f"match ({how}); the step's own state is not proved (--replay_steps)", durations,
+                                 **common)
+        self._anchor = _Anchor(step, state, manifest["fixed_hash"])
+        return self._verdict(step, manifest, level, "pass",
+                             f"replayed {count} steps from {origin}: {len(recorded)} recorded losses match ({how}); "
+                             f"state equals the checkpoint leaf by leaf", durations, **common)
 
-    def _compare_with_successor(self, state, program, successor, successor_manifest, exact):
-        """None if the replayed state equals the successor's; else (detail, mismatch)."""
-        if exact:
-            actual = fingerprint_lib.fingerprint_tree(state)
-            for path, leaf in successor_manifest["leaves"].items():
-                if actual[path] != leaf["fingerprint"]:
-                    return (f"replayed state differs from step {successor} at leaf {path}",
-                            {"kind": "leaf", "where": path, "expected": leaf["fingerprint"], "actual": actual[path]})
-            return None
-        _, service = self._programs[successor_manifest["fixed_hash"]]
+    def _anchor_for(self, step: int, manifest: dict, program: Program, disk_anchor: int | None) -> _Anchor:
+        """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init."""
+        fixed_hash = manifest["fixed_hash"]
+        held = self._anchor
+        if held is not None and held.fixed_hash == fixed_hash and held.step < step and (
+                disk_anchor is None or held.step >= disk_anchor):
+            return held
+        if disk_anchor is not None and disk_anchor < step:
+            try:
+                anchor_manifest = read_manifest(self.options.workdir, disk_anchor)
+                if anchor_manifest["fixed_hash"] == fixed_hash:
+                    _, service = self._program_for(anchor_manifest)
+                    restored = service.restore(disk_anchor, program.abstract_state).state
+                    self._anchor = _Anchor(disk_anchor, restored, fixed_hash)
+                    return self._anchor
+            except CheckpointError as err:  # deleted or damaged since it was proved: start further back
+                logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
+        return _Anchor(INIT, program.init_fn(), fixed_hash)
+
+    def _copy(self, state, fixed_hash: str, program: Program):
+        """A fresh copy of a proved state (the step donates its input; the proved one stays)."""
+        if fixed_hash not in self._copies:
+            self._copies[fixed_hash] = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
+                                               out_shardings=program.state_shardings)
+        return self._copies[fixed_hash](state)
+
+    def _exact(self, first: int, last: int, manifest: dict, program: Program) -> bool:
+        """Bit-exact only if every step in (first, last] was recorded on the verifier's layout."""
+        layout = (dict(program.mesh.shape), jax.process_count())
+        if not tolerances.same_layout(*layout, manifest):
+            return False
         try:
-            expected = dict(_flat(service.restore(successor, program.abstract_state).state))
+            return all(tolerances.same_layout(*layout, read_manifest(self.options.workdir, s))
+                       for s in committed_steps(self.options.workdir) if first < s < last)
         except CheckpointError:
-            return None  # an unreadable successor fails its own verdict; the losses above still matched
-        squared = {path: float(np.sum((np.asarray(leaf, np.float64) - np.asarray(expected[path], np.float64)) ** 2))
-                   for path, leaf in _flat(state)}
-        scale = sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in expected.values())
-        relative = float(np.sqrt(sum(squared.values()) / max(scale, 1e-30)))
-        if relative > CROSS_MESH_STATE_RTOL[program.config.model]:
-            worst = max(squared, key=squared.get)
-            return (f"replayed state differs from step {successor}: relative norm {relative:.2e}, most at leaf {worst}",
-                    {"kind": "state", "where": worst, "expected": CROSS_MESH_STATE_RTOL[program.config.model],
-                     "actual": relative})
-        return None
+            return False
 
-    def _verdict(self, step, checkpoint_mesh, level, status, detail, durations, *, mismatch=None,
-                 max_difference=None, replayed=0, successor=None) -> dict:
-        return verdicts.make(step=step, level=level, status=status, detail=detail, mismatch=mismatch,
-                             checkpoint_mesh=checkpoint_mesh, verifier_mesh=self._mesh_shape(), durations_secs=durations,
-                             max_relative_difference=max_difference, replayed_steps=replayed, successor=successor)
+    def _state_mismatch(self, replayed, anchor_state, saved, manifest, program, exact) -> compare.Mismatch | None:
+        if exact:  # the replay's fingerprints against the ones taken at save time
+            actual = fingerprint_lib.fingerprint_tree(replayed)
+            for path, leaf in manifest["leaves"].items():
+                if actual.get(path) != leaf["fingerprint"]:
+                    return compare.Mismatch("leaf", path, leaf["fingerprint"], actual.get(path),
+                                            f"leaf {path} differs from the checkpoint (fingerprint "
+                                            f"{actual.get(path)} != saved {leaf['fingerprint']})")
+            return None
+        allowed = tolerances.state_tolerances(replayed, anchor_state, program.config.model, manifest["leaves"])
+        return compare.compare_leaves(replayed, saved, allowed)
+
+    def _verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
+                 max_difference=None, replayed_from=None, replayed=0, compared=0) -> dict:
+        return verdicts.make(step=step, level=level, status=status, complete=complete, detail=detail,
+                             mismatch=mismatch, checkpoint_mesh=manifest.get("mesh", {}),
+                             verifier_mesh=self._mesh_shape(), durations_secs=durations,
+                             max_relative_difference=max_difference, replayed_from=replayed_from,
+                             replayed_steps=replayed, compared_losses=compared,
+                             manifest_digest=manifest.get("digest"))
 
     def _mesh_shape(self) -> dict:
         if self._programs:
@@ -178,33 +204,38 @@ class Verifier:
     # --- the workdir ---------------------------------------------------------------------------
 
     def pending_steps(self) -> list[int]:
-        """Steps to verify, newly committed ones first (their intact proof is what a resume waits
-        for), then intact-only steps that a successor can now upgrade to reproducible."""
+        return self._pending_and_proved()[0]
+
+    def _pending_and_proved(self) -> tuple[list[int], list[int]]:
+        """(committed steps without a complete verdict, committed reproduced steps), oldest first.
+
+        Reads the verdicts of committed steps only (retention bounds them), never every verdict a
+        long run wrote; a set-aside step's verdict has moved out with it, so a step saved again
+        under its number is pending again.
+        """
         committed = committed_steps(self.options.workdir)
-        existing = verdicts.read_all(self.options.workdir)
-        new, upgrades = [], []
-        for index, step in enumerate(committed):
-            verdict = existing.get(step)
-            if verdict is None:
-                new.append(step)
-            elif (self.options.replay_steps > 0 and index + 1 < len(committed) and verdict["level"] == "intact"
-                  and verdict["status"] == "pass" and verdict.get("successor") != committed[index + 1]):
-                upgrades.append(step)
-        return new + upgrades
+        found = verdicts.read_steps(self.options.workdir, committed)
+        pending = [step for step in committed if step not in found or not found[step]["complete"]]
+        return pending, [step for step in committed if verdicts.is_reproduced(found.get(step))]
 
     def verify_pending(self) -> list[dict]:
         """Verifies every pending step once and writes its verdict; returns the verdicts."""
         written = []
-        for step, successor in self._agreed_plan():
-            verdict = self.verify(step, successor)  # every process takes part: restores and replays are collective
-            if jax.process_index() != 0:
-                written.append(verdict)
-                continue
-            verdicts.write(self.options.workdir, verdict)
-            logging.log(logging.INFO if verdict["status"] != "fail" else logging.ERROR,
-                        "verdict step %d: %s %s: %s", step, verdict["level"], verdict["status"], verdict["detail"])
+        for step, disk_anchor in self._agreed_plan():
+            # Every process takes part: restores and replays are collective; process 0 writes.
+            verdict = self.verify(step, disk_anchor, on_intact=self._write)
+            self._write(verdict)
             written.append(verdict)
         return written
+
+    def _write(self, verdict: dict) -> None:
+        if jax.process_index() != 0:
+            return
+        verdicts.write(self.options.workdir, verdict)
+        if verdict["complete"]:
+            logging.log(logging.ERROR if verdict["status"] == "fail" else logging.INFO,
+                        "verdict step %d: %s %s: %s", verdict["step"], verdict["level"], verdict["status"],
+                        verdict["detail"])
 
     def follow(self, stop: threading.Event, until_step: int | None = None) -> list[dict]:
         """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
@@ -219,25 +250,25 @@ class Verifier:
         return written
 
     def _agreed_plan(self) -> list[tuple[int, int | None]]:
-        """(step, successor) pairs to verify, decided by process 0 and the same on every process.
+        """(step, newest reproduced step on disk before it) pairs, decided by process 0 for all.
 
         Processes listing the directory themselves could see different steps (a commit lands
         between two listings) and then replay different lengths: a deadlock in the collectives.
         """
         plan = []
         if jax.process_index() == 0:
-            committed = committed_steps(self.options.workdir)
-            for step in self.pending_steps():
-                plan.append((step, next((s for s in committed if s > step), None)))
+            pending, proved = self._pending_and_proved()
+            for step in pending:
+                plan.append((step, next((s for s in reversed(proved) if s < step), None)))
         if jax.process_count() == 1:
             return plan
-        rows = np.array([[step, -2 if successor is None else successor] for step, successor in plan] or
+        rows = np.array([[step, -1 if anchor is None else anchor] for step, anchor in plan] or
                         np.zeros((0, 2)), np.int64).reshape(-1, 2)
         count = int(multihost_utils.broadcast_one_to_all(np.int32(len(rows))))
         padded = np.zeros((max(count, 1), 2), np.int32)
         padded[:len(rows)] = rows
         padded = np.asarray(multihost_utils.broadcast_one_to_all(padded))[:count]
-        return [(int(step), None if successor == -2 else int(successor)) for step, successor in padded]
+        return [(int(step), None if anchor == -1 else int(anchor)) for step, anchor in padded]
 
     def _finished(self, until_step: int | None) -> bool:
         finished = self._finished_here(until_step) if jax.process_index() == 0 else False
@@ -257,8 +288,16 @@ class Verifier:
         return read_manifest(self.options.workdir, last)["reason"] == "final"
 
 
-def _flat(tree):
-    return [(jax.tree_util.keystr(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+def _intact_problem(step: int, state) -> compare.Mismatch | None:
+    """What is wrong with a restored state on its own: its counter, or a NaN/Inf in a leaf."""
+    if int(state.step) != step:
+        return compare.Mismatch("leaf", ".step", step, int(state.step),
+                                f"leaf .step holds {int(state.step)}, the checkpoint is step {step}")
+    bad = compare.nonfinite_leaves(state)
+    if bad:
+        return compare.Mismatch("leaf", bad[0], None, None,
+                                f"leaf {bad[0]} holds NaN or Inf ({len(bad)} leaf(s): {', '.join(bad)})")
+    return None
 
 
 def _leaf_mismatch(err: Exception) -> dict:

@@ -15,8 +15,9 @@ import jax
 from absl import app, flags, logging
 
 from checkpointing import verdicts
-from checkpointing.errors import BadCheckpointRequest
+from checkpointing.errors import BadCheckpointRequest, CheckpointError
 from checkpointing.service import committed_steps
+from checkpointing.storage import check_workdir
 from launch import distributed, exit_codes, logs
 from trainer.config import ConfigError, check_mesh, parse_mesh
 from trainer.flags import MESH, WORKDIR
@@ -33,8 +34,7 @@ MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wai
 
 
 def failing_steps(workdir: str) -> list[int]:
-    committed = set(committed_steps(workdir))
-    return [step for step, v in verdicts.read_all(workdir).items() if v["status"] == "fail" and step in committed]
+    return [step for step, v in verdicts.read_steps(workdir, committed_steps(workdir)).items() if v["status"] == "fail"]
 
 
 def main(argv: list[str]) -> None:
@@ -47,6 +47,8 @@ def main(argv: list[str]) -> None:
         distributed.initialize()
         if not WORKDIR.value:
             raise ConfigError("--workdir is required")
+        # --once needs the workdir now; --follow may start before the trainer creates it.
+        check_workdir(WORKDIR.value, must_exist=ONCE.value)
         mesh = parse_mesh(MESH.value)
         check_mesh(mesh, jax.device_count())
         options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
@@ -61,6 +63,8 @@ def main(argv: list[str]) -> None:
             verifier.follow(stop, until_step=UNTIL_STEP.value)
     except (ValueError, BadCheckpointRequest) as err:  # ConfigError included
         exit_codes.exit_bad_input(err)
+    except CheckpointError as err:  # the storage did not answer, or a verdict could not be written
+        logs.exit_failure(str(err), err)
     failing = failing_steps(WORKDIR.value)
     if failing:
         logging.error("failing verdicts for steps %s", failing)

@@ -1,0 +1,77 @@
+"""Fast unit tests: every comparison a proof rests on fails on NaN and Inf; manifests prove their content."""
+
+import copy
+import math
+
+import jax.numpy as jnp
+import pytest
+
+from checkpointing import compare
+from checkpointing import manifest as manifest_lib
+from checkpointing.errors import ManifestError
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("rtol", [0.0, 1e-5])
+def test_a_non_finite_loss_on_either_side_is_a_mismatch(bad, rtol):
+    expected = {10: 1.0, 11: 0.5}
+    mismatch, _ = compare.compare_losses({10: 1.0, 11: bad}, expected, rtol)
+    assert mismatch is not None and mismatch.where == 11 and "step 11" in mismatch.detail
+    mismatch, _ = compare.compare_losses({10: 1.0, 11: 0.5}, {10: 1.0, 11: bad}, rtol)
+    assert mismatch is not None and mismatch.where == 11
+
+
+def test_loss_lists_compare_every_step_not_the_first():
+    mismatch, largest = compare.compare_losses({0: 1.0, 1: 2.0, 2: 3.0}, {0: 1.0, 1: 2.0, 2: 3.0 * (1 + 1e-3)}, 1e-5)
+    assert mismatch.where == 2 and largest == pytest.approx(1e-3, rel=1e-3)
+    assert compare.compare_losses({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0}, 0.0) == (None, 0.0)
+    assert compare.compare_losses({0: 1.0}, {0: 1.0, 1: 2.0}, 1e-5)[0].where == 1, "a missing step is a mismatch"
+
+
+def test_bit_exact_means_equal_not_close():
+    assert compare.compare_losses({0: 1.0}, {0: 1.0 + 1e-15}, 0.0)[0] is not None
+
+
+def test_within_fails_on_nan():
+    assert compare.within(0.0, 0.0) and not compare.within(math.nan, 1.0) and not compare.within(math.inf, math.inf)
+
+
+def test_leaves_compare_by_path_with_their_own_tolerance_and_nan_fails():
+    expected = {"a": jnp.ones(4), "b": jnp.zeros(3)}
+    actual = {"a": jnp.ones(4) * (1 + 1e-6), "b": jnp.zeros(3)}
+    assert compare.compare_leaves(actual, expected, {"['a']": 1e-5, "['b']": 0.0}) is None
+    mismatch = compare.compare_leaves(actual, expected, {"['a']": 1e-7, "['b']": 0.0})
+    assert mismatch.where == "['a']"
+    poisoned = {"a": jnp.ones(4), "b": jnp.array([0.0, jnp.nan, 0.0])}
+    mismatch = compare.compare_leaves(poisoned, expected, {"['a']": 1.0, "['b']": 1e30})
+    assert mismatch.where == "['b']" and "NaN" in mismatch.detail
+    assert compare.nonfinite_leaves(poisoned) == ["['b']"]
+
+
+def _manifest():
+    return manifest_lib.build(step=10, leaves={".w": {"shape": [2], "dtype": "float32"}}, fingerprints={".w": 7},
+                              losses={8: 0.5, 9: 0.25}, config={"seed": 0}, fixed_hash="h", fixed_fields={"seed": 0},
+                              mesh={"data": 8}, reason="interval")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["losses"].update({"9": 0.2500001}),
+    lambda m: m["leaves"][".w"].update({"fingerprint": 8}),
+    lambda m: m["config"].update({"seed": 1}),
+])
+def test_an_edited_manifest_fails_its_digest(edit):
+    manifest = _manifest()
+    assert manifest_lib.validate(copy.deepcopy(manifest)) == manifest
+    edit(manifest)
+    with pytest.raises(ManifestError, match="digest"):
+        manifest_lib.validate(manifest)
+
+
+def test_a_manifest_survives_its_json_round_trip_and_refuses_nan_losses():
+    import json
+    manifest = _manifest()
+    assert manifest_lib.parse(json.dumps(manifest), "m") == manifest
+    manifest["losses"]["9"] = math.nan
+    manifest["digest"] = manifest_lib.digest(manifest)
+    with pytest.raises(ManifestError, match="losses"):
+        manifest_lib.parse(json.dumps(manifest), "m")

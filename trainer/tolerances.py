@@ -1,0 +1,61 @@
+"""How closely a replay must reproduce a checkpoint: bit-exact on the layout that recorded it,
+within documented per-leaf tolerances on any other. One owner for that rule.
+
+Per leaf, across layouts, ||replayed - saved|| may be at most CROSS_MESH_STATE_RTOL times the
+larger of ||replayed|| and how far the leaf moved during the replay (rounding accumulates with the
+updates summed, and a moment that crossed zero is small but carries the error of its path). The
+replayed side is the trusted one: it came from a proved predecessor. A leaf whose gradient
+is pure rounding noise (its Adam first moment is below NOISE_RATIO of the largest one, e.g. an
+attention key bias) moves by noise Adam has scaled up, so on another layout it may also differ by
+NOISE_FACTOR times how far it moved during the replay. Integer leaves (the step, Adam's count)
+must be equal. Swapped or zeroed Adam moments change the signal leaves by far more than 1e-4
+and fail on any layout.
+"""
+
+import math
+import re
+
+from checkpointing.compare import leaf_differences
+from trainer.step import CROSS_MESH_LOSS_RTOL, CROSS_MESH_STATE_RTOL
+
+NOISE_RATIO = 1e-5  # RMS of a leaf's Adam mu below this fraction of the largest: noise-driven
+NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device meshes
+
+# .params[...], .opt_state[0].mu[...] and .opt_state[0].nu[...] of one parameter share a suffix.
+_PARAM_LEAF = re.compile(r"^\.(?:params|opt_state\[\d+\]\.(?:mu|nu))(\[.*)$")
+_FIRST_MOMENT = re.compile(r"^\.opt_state\[\d+\]\.mu(\[.*)$")
+
+
+def same_layout(mesh_shape: dict, process_count: int, manifest: dict) -> bool:
+    """Whether numbers recorded under `manifest` are reproducible bit for bit here: the same mesh
+    in the same number of processes (gloo adds cross-process partial sums in another order)."""
+    return dict(mesh_shape) == manifest["mesh"] and process_count == manifest["process_count"]
+
+
+def loss_rtol(model: str, exact: bool) -> float:
+    return 0.0 if exact else CROSS_MESH_LOSS_RTOL[model]
+
+
+def state_tolerances(replayed, anchor, model: str, leaves: dict[str, dict]) -> dict[str, float]:
+    """{key path: largest ||replayed - saved|| allowed} for a replay from `anchor` on another layout.
+
+    `leaves` is the manifest's leaf table (shape and dtype per key path); integer leaves get 0.
+    """
+    movement = leaf_differences(anchor, replayed)  # path -> (||anchor - replayed||, ||replayed||, finite)
+    rms = {m.group(1): norm / math.sqrt(max(math.prod(leaves[path]["shape"]), 1))
+           for path, (_, norm, _) in movement.items() if (m := _FIRST_MOMENT.match(path))}
+    largest = max(rms.values(), default=0.0)
+    noise = {suffix for suffix, value in rms.items() if value <= NOISE_RATIO * largest}
+    rtol = CROSS_MESH_STATE_RTOL[model]
+    tolerances = {}
+    for path, (moved, norm, _) in movement.items():
+        if not leaves[path]["dtype"].startswith(("float", "bfloat", "complex")):
+            tolerances[path] = 0.0
+            continue
+        tolerance = rtol * max(norm, moved)
+        match = _PARAM_LEAF.match(path)
+        if match and match.group(1) in noise:
+            tolerance += NOISE_FACTOR * moved
+        tolerances[path] = tolerance
+    return tolerances
+
