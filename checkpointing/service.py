@@ -12,6 +12,7 @@
 """
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import time
 from typing import Callable, Iterable, Sequence
@@ -25,9 +26,12 @@ from orbax.checkpoint import checkpoint_managers
 
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
+from checkpointing import verdicts
 from checkpointing.paths import fresh_path
 from checkpointing.errors import (AsyncSaveError, ConfigMismatchError, CorruptCheckpointError,
-                                  FingerprintMismatchError, NoSuchCheckpointError, TreeMismatchError)
+                                  FingerprintMismatchError, NoSuchCheckpointError, StepAlreadyCommittedError,
+                                  TreeMismatchError)
+from checkpointing.errors import one_line_cause
 
 STATE_ITEM = "state"
 # Orbax owns <workdir>/checkpoints alone: on gs:// it treats every directory without a commit
@@ -61,10 +65,19 @@ class Restored:
     manifest: dict
 
 
+def _dispatch_fingerprints(into: concurrent.futures.Future, state) -> None:
+    """Dispatches the state's fingerprints into `into`, which the manifest waits on, or their error."""
+    try:
+        into.set_result(fingerprint_lib.tree_fingerprints(state))
+    except Exception as err:
+        into.set_exception(err)  # the manifest fails with it in the background: the step never commits
+        raise
+
+
 class _ManifestHandler(ocp.handlers.JsonCheckpointHandler):
     """Orbax's JSON handler, but the manifest is built in the background write, not in save().
 
-    The fingerprints are dispatched to the device before save() and only read back here, while
+    The fingerprints are dispatched to the device in save() and only read back here, while
     the arrays are being written, so the step never waits for them. The manifest is still part of
     the same step, so the step commits only once it is written.
     """
@@ -137,10 +150,12 @@ class CheckpointService:
     def __init__(self, directory: str, options: CheckpointOptions = CheckpointOptions(), *,
                  run: RunMetadata | None = None, read_only: bool = False,
                  protected_steps: Callable[[], Iterable[int]] = frozenset,
-                 preemption_decision: Callable[[int], bool] = lambda step: False):
+                 preemption_decision: Callable[[int], bool] = lambda step: False,
+                 writer_check: Callable[[int], None] = lambda step: None):
         self.directory = str(directory)
         self.options = options
         self._run = run
+        self._writer_check = writer_check  # raises (e.g. LeaseLostError) once this process may no longer write
         self._pending_step: int | None = None
         policies = [checkpoint_managers.LatestN(options.max_to_keep), _ProtectedSteps(protected_steps)]
         if options.keep_every_steps:
@@ -174,7 +189,7 @@ class CheckpointService:
 
     # --- saving --------------------------------------------------------------------------------
 
-    def save(self, step: int, state, *, losses: dict[int, float], reason: str) -> None:
+    def save(self, step: int, state, *, losses: dict[int, float], reason: str, extra: dict | None = None) -> None:
         """Starts saving `state` as `step`; returns once the device-to-host copy is done (async).
 
         Call on every process. Fingerprints are computed on device and read back by the background
@@ -183,22 +198,45 @@ class CheckpointService:
         if self._run is None:
             raise ValueError("a read-only service (no RunMetadata) cannot save")
         self.check_for_errors()
-        fingerprints = fingerprint_lib.tree_fingerprints(state)  # dispatched, not waited for
+        self._writer_check(step)
+        # Orbax checks only its own in-memory step list, then deletes whatever is at the step's path
+        # before writing (its checkpointer is always called with force=True): a step another writer
+        # committed since this manager listed the directory would be rewritten. One stat in the
+        # usual case; on gs:// an uncommitted leftover of a killed save may still be replaced.
+        path = fresh_path(self.directory) / CHECKPOINTS_DIR / str(step)
+        if path.exists() and step in self.committed_steps():
+            raise StepAlreadyCommittedError(
+                f"step {step} is already committed at {path}; a save never overwrites a committed step "
+                "(is another writer using this workdir?)", step=step, path=str(path))
+        # Dispatched, not waited for. An accelerator computes them while Orbax copies the state to the
+        # host; on CPU they would compete with Orbax's blocking work for the same cores, so they are
+        # dispatched once that is done (still before save() returns, so before the caller can donate).
+        fingerprints = concurrent.futures.Future()
+        if not (self.options.async_save and jax.default_backend() == "cpu"):
+            _dispatch_fingerprints(fingerprints, state)  # a synchronous save needs them before it returns
         run = self._run
         leaves = manifest_lib.leaf_table(state)
 
         def build_manifest() -> dict:
             return manifest_lib.build(
-                step=step, leaves=leaves, fingerprints=fingerprint_lib.to_ints(fingerprints), losses=losses,
+                step=step, leaves=leaves, fingerprints=fingerprint_lib.to_ints(fingerprints.result()), losses=losses,
                 config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
-                reason=reason)
+                reason=reason, extra=extra)
 
         started = time.perf_counter()
-        self._manager.save(step, args=ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.StandardSave(state),
-            manifest_lib.ITEM_NAME: _ManifestSave(build_manifest),
-        }), force=True)  # the caller's policy decided; Orbax's own should_save must not ask again
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**{
+                STATE_ITEM: ocp.args.StandardSave(state),
+                manifest_lib.ITEM_NAME: _ManifestSave(build_manifest),
+            }), force=True)  # the caller's policy decided; Orbax's own should_save must not ask again
+        except Exception as err:
+            fingerprints.cancel()  # if Orbax's background write had started, its manifest fails
+            if self._pending_step is None:
+                raise
+            self._raise_failed(err)  # Orbax first waits for the previous save and re-raises its failure
         self._pending_step = step
+        if not fingerprints.done():
+            _dispatch_fingerprints(fingerprints, state)
         if jax.process_index() == 0:
             logging.info("checkpoint: step %d (%s) handed off in %.3fs", step, reason,
                          time.perf_counter() - started)
@@ -214,12 +252,24 @@ class CheckpointService:
             if step not in self.committed_steps():
                 self._raise_failed(None, step)
 
+    def saving(self) -> bool:
+        """Whether a save is still in flight, as of the last check_for_errors()."""
+        return self._pending_step is not None
+
     def _raise_failed(self, cause, step=None) -> None:
         step = self._pending_step if step is None else step
         self._pending_step = None
         latest = self.latest_committed_step()
+        if cause is None:
+            # Orbax's finalize thread consumed the error (it is raised once, and Orbax only logs
+            # it); joining the finished thread raises it again, so the line can name the cause.
+            try:
+                self._manager.wait_until_finished()
+            except Exception as err:
+                cause = err
+        reason = one_line_cause(cause) if cause is not None else "it never committed"
         raise AsyncSaveError(
-            f"background save of step {step} failed{f' ({cause})' if cause else ''}; "
+            f"background save of step {step} failed: {reason} (writing {step_path(self.directory, step)}); "
             f"the latest committed step is still {latest}") from cause
 
     def wait_until_finished(self) -> None:
@@ -235,7 +285,11 @@ class CheckpointService:
         self._manager.close()
 
     def set_aside(self, steps: Iterable[int]) -> None:
-        """Moves committed steps to <workdir>/superseded/<step>-<time>: out of every listing, not deleted."""
+        """Moves committed steps to <workdir>/superseded/<step>-<time>: out of every listing, not deleted.
+
+        Their verdicts move with them: a verdict proves one save, and the resumed run will save
+        new steps under the same numbers.
+        """
         steps = sorted(steps)
         if steps and jax.process_index() == 0:
             superseded = epath.Path(self.directory) / SUPERSEDED_DIR
@@ -243,6 +297,9 @@ class CheckpointService:
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
             for step in steps:
                 step_path(self.directory, step).rename(superseded / f"{step}-{stamp}")
+                verdict = verdicts.verdict_path(self.directory, step)
+                if verdict.exists():
+                    verdict.rename(superseded / f"{step}-{stamp}.verdict.json")
         if steps and jax.process_count() > 1:
             multihost_utils.sync_global_devices("checkpoint_service_set_aside")
         if steps:
@@ -262,7 +319,10 @@ class CheckpointService:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{
                 STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))
         except Exception as err:
-            raise CorruptCheckpointError(f"step {step}: reading its arrays failed: {err}") from err
+            # TensorStore's message carries a 60-line spec: the line names the cause, the chain keeps the rest.
+            raise CorruptCheckpointError(
+                f"step {step}: reading its arrays from {step_path(self.directory, step)} failed: "
+                f"{one_line_cause(err)}") from err
         state = restored[STATE_ITEM]
         check_fingerprints(step, manifest, state)
         return Restored(state=state, manifest=manifest)

@@ -1,19 +1,24 @@
-"""Runs gcp-storage-emulator on 127.0.0.1, with the one header real GCS sends and it omits.
+"""Runs gcp-storage-emulator on 127.0.0.1, with what real GCS does and the emulator omits.
 
   python -m tests.gcs_emulator --port=P --bucket=B
 
 Real GCS answers every media download with `x-goog-generation`; TensorStore reads an object's
-generation from it and rejects a read without it ("Malformed StorageGeneration"). The emulator
-(2026.7.19) leaves it out, so this wrapper adds it to the emulator's own download handler and
-otherwise runs the emulator unchanged (in memory).
+generation from it and rejects a read without it ("Malformed StorageGeneration"). Real GCS also
+refuses (412) a write or delete whose `ifGenerationMatch` is not the object's generation (0: the
+object must not exist); the workdir lease (checkpointing/lease.py) relies on that. The emulator
+(2026.7.19) does neither, so this wrapper adds both to its handlers and otherwise runs the
+emulator unchanged (in memory, one request at a time, so a check-then-write is atomic).
 """
 
 import argparse
+from http import HTTPStatus
 
 from gcp_storage_emulator import server
 from gcp_storage_emulator.handlers import objects
 
 _download = objects.download
+_insert = objects.insert
+_delete = objects.delete
 
 
 def _download_with_generation(request, response, storage, *args, **kwargs):
@@ -26,16 +31,40 @@ def _download_with_generation(request, response, storage, *args, **kwargs):
     response["x-goog-metageneration"] = str(obj["metageneration"])
 
 
+def _honouring_preconditions(handler):
+    def handle(request, response, storage, *args, **kwargs):
+        wanted = request.query.get("ifGenerationMatch")
+        data = request.data  # read the body first, whatever the answer, so the connection stays usable
+        if wanted:
+            meta = data.get("meta", {}) if isinstance(data, dict) else {}
+            name = request.params.get("object_id") or request.query.get("name", [meta.get("name")])[0]
+            try:
+                current = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
+            except Exception:  # not found
+                current = "0"
+            if current != wanted[0]:
+                response.status = HTTPStatus.PRECONDITION_FAILED
+                response.json({"error": {"code": 412, "message": "conditionNotMet",
+                                         "errors": [{"reason": "conditionNotMet", "message": "conditionNotMet"}]}})
+                return None
+        return handler(request, response, storage, *args, **kwargs)
+
+    return handle
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bucket", required=True)
     args = parser.parse_args()
-    objects.download = _download_with_generation  # objects.get(alt=media) calls it by name
+    replacements = {_download: _download_with_generation, _insert: _honouring_preconditions(_insert),
+                    _delete: _honouring_preconditions(_delete)}
+    # The router looks handlers up in its table, and falls back to objects.insert by name.
+    objects.download, objects.insert = replacements[_download], replacements[_insert]
     for _, handlers in server.HANDLERS:
         for method, handler in handlers.items():
-            if handler is _download:
-                handlers[method] = _download_with_generation
+            if handler in replacements:
+                handlers[method] = replacements[handler]
     server.create_server("127.0.0.1", args.port, in_memory=True, default_bucket=args.bucket).run()
 
 

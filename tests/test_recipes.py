@@ -136,6 +136,8 @@ def test_queued_resource_with_image_script():
     start = words.index(IMAGE)
     assert words[start:start + 7] == [IMAGE, "train", f"--workdir={WORKDIR}", *TRAINER_ARGS]
     assert "--privileged" in words and "TPU_WORKER_HOSTNAMES=$TPU_WORKER_HOSTNAMES" in " ".join(words)
+    # A restart of this job is the same job to the workdir lease: it waits out the old lease.
+    assert "JOB_ID=ckpt-pod" in " ".join(words) and "JOB_ID=$JOB_ID" in " ".join(words)
 
     [vm] = find(commands, "compute", "instances", "create")
     assert vm[4] == "ckpt-check" and flag(vm, "machine-type") == "n2-standard-4"

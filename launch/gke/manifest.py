@@ -123,6 +123,9 @@ def jobset(name: str, namespace: str, image: str, workdir: str, accelerator: str
     tpus = {"google.com/tpu": chips_per_host}
     trainer = {"name": TRAINER_CONTAINER, "image": image,
                "args": ["train", f"--workdir={workdir}", *trainer_args],
+               # The workdir lease's job id: a restarted JobSet's pods wait for the old pods' lease
+               # to expire instead of being refused (checkpointing/lease.py).
+               "env": [{"name": "JOB_ID", "value": f"{namespace}/{name}"}],
                "resources": {"requests": tpus, "limits": tpus}}
     return {
         "apiVersion": "jobset.x-k8s.io/v1alpha2",

@@ -166,14 +166,17 @@ def trainer_command(recipe: TpuRecipe) -> str:
     # hostnames or name:id:ip triples, and the sed keeps the last field of each.
     pod_env = (f"set -o pipefail && TPU_WORKER_ID=$({curl} {_METADATA}/agent-worker-number) && "
                f"TPU_WORKER_HOSTNAMES=$({curl} {_METADATA}/worker-network-endpoints | sed \"s/[^,]*://g\") && "
-               "export TPU_WORKER_ID TPU_WORKER_HOSTNAMES")
+               # The workdir lease's job id: a restart of this TPU job waits for the old lease to
+               # expire instead of being refused (checkpointing/lease.py).
+               f"JOB_ID={shlex.quote(recipe.tpu_name)} && export TPU_WORKER_ID TPU_WORKER_HOSTNAMES JOB_ID")
     flags_ = " ".join(shlex.quote(arg) for arg in (f"--workdir={recipe.workdir}", *recipe.trainer_args))
     if recipe.image:
         # Named, so a container left from an attempt whose ssh session was lost is removed first.
         # sudo drops the environment, so the two variables are passed by value.
         return (f"{pod_env} && {{ sudo docker rm -f ckpt-trainer >/dev/null 2>&1; exec sudo docker run --rm "
                 "--name=ckpt-trainer --privileged --net=host -e TPU_WORKER_ID=$TPU_WORKER_ID "
-                f"-e TPU_WORKER_HOSTNAMES=$TPU_WORKER_HOSTNAMES {shlex.quote(recipe.image)} train {flags_}; }}")
+                f"-e TPU_WORKER_HOSTNAMES=$TPU_WORKER_HOSTNAMES -e JOB_ID=$JOB_ID {shlex.quote(recipe.image)} "
+                f"train {flags_}; }}")
     return f"{pod_env} && exec {_VENV}/bin/python -m trainer.train {flags_}"
 
 
