@@ -7,8 +7,9 @@ Each process runs `python -m <module>` (default trainer.train) with the given fl
 set to M; collectives between processes go over gloo. The launcher prefixes every output line
 with the process id, forwards SIGTERM/SIGINT to every process (a pod-wide preemption), and once
 one process has exited gives the others --peer_exit_grace_secs to follow before killing them, so
-no process outlives the pod. Its exit code is the pod's: 0 if every process succeeded, 75
-(preempted) if every process exited 0 or 75, 2 if any exited 2, else 1.
+no process outlives the pod. Its exit code is the pod's: 0 if every process succeeded; 75
+(requeue) if every process exited 0 or 75, or a process was lost (SIGKILL from outside the pod;
+the runtime then aborts the others); 2 if any exited 2; else 1 (rules: launch/pod.py).
 """
 
 import sys

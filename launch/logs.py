@@ -1,18 +1,88 @@
-"""Log set-up shared by every entry point: our absl INFO lines, the libraries' only when they matter."""
+"""Log set-up shared by every entry point: our absl INFO lines, the libraries' only when they matter.
+
+A fault must end stderr with one line naming the step, the path and the cause. Orbax logs each
+background failure with a traceback from every worker thread, TensorStore appends a 60-line spec,
+asyncio reports the same exception again when its future is collected ("never retrieved"), and
+TensorStore's completion callbacks print "Event loop is closed" tracebacks once Orbax's loop is
+gone. Here each library record becomes one line (its message and its root cause) and the echoes
+are dropped; our own records and tracebacks are left as they are.
+"""
 
 import logging as py_logging
+import sys
+import threading
 
 from absl import logging
 
-_CHATTY_LIBRARIES = ("/orbax/", "/jax/_src/", "/etils/")
+from checkpointing.errors import one_line_cause
+from launch import exit_codes
+
+_CHATTY_LIBRARIES = ("/orbax/", "/jax/_src/", "/etils/", "/tensorstore/", "/gcsfs/", "/fsspec/", "/aiohttp/",
+                     "/asyncio/", "/concurrent/futures/")
+# Echoes of a failure already reported (by Orbax's own record, then by our one line).
+_ECHOES = ("exception was never retrieved", "event loop is closed", "cannot schedule new futures after")
+_MAX_LINE = 300
+
+
+def _one_line(text: str) -> str:
+    line = text.split(" [tensorstore_spec=")[0].strip().splitlines()
+    line = line[0] if line else ""
+    return line if len(line) <= _MAX_LINE else line[:_MAX_LINE - 3] + "..."
 
 
 class _QuietLibraries(py_logging.Filter):
-    """Drops library records below WARNING (Orbax logs every barrier and path at INFO)."""
+    """Drops library records below WARNING (Orbax logs every barrier and path at INFO); the rest one line each."""
 
     def filter(self, record: py_logging.LogRecord) -> bool:
-        return record.levelno >= py_logging.WARNING or not any(lib in record.pathname for lib in _CHATTY_LIBRARIES)
+        if not any(lib in record.pathname for lib in _CHATTY_LIBRARIES):
+            return True
+        if record.levelno < py_logging.WARNING:
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        if any(echo in f"{message} {error}".lower() for echo in _ECHOES):
+            return False
+        line = _one_line(message)
+        cause = one_line_cause(error) if error is not None else ""
+        record.msg, record.args = line + (f" ({cause})" if cause and cause.lower() not in line.lower() else ""), None
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def _is_echo(error: BaseException | None) -> bool:
+    return error is not None and any(echo in str(error).lower() for echo in _ECHOES)
 
 
 def quiet_library_logs() -> None:
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    # Exceptions that reach no caller: TensorStore's completion callbacks print theirs through
+    # sys.excepthook once Orbax's event loop is closed; threads and finalizers during shutdown.
+    # Only the echoes are dropped; anything else keeps its traceback.
+    hooks = (sys.excepthook, threading.excepthook, sys.unraisablehook)
+
+    def excepthook(kind, error, traceback):
+        if not _is_echo(error):
+            hooks[0](kind, error, traceback)
+
+    def thread_hook(args):
+        if not _is_echo(args.exc_value):
+            hooks[1](args)
+
+    def unraisable_hook(args):
+        if not _is_echo(args.exc_value):
+            hooks[2](args)
+
+    sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_hook, unraisable_hook
+
+
+def exit_failure(message: str, error: BaseException | None = None) -> None:
+    """The fault's one line (`error: ...`), last on stderr, then exit FAILURE.
+
+    The whole exception chain is logged at verbosity 1 (`--v=1`) just before it.
+    """
+    if error is not None:
+        logging.vlog(1, "the fault in full:", exc_info=(type(error), error, error.__traceback__))
+    logging.flush()
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(exit_codes.FAILURE)

@@ -1,4 +1,19 @@
-"""Processes of a local pod: start them, relay their output, bound their exits, decide the pod's code."""
+"""Processes of a local pod: start them, relay their output, bound their exits, decide the pod's code.
+
+The pod's code is what a scheduler acts on (launch/exit_codes.py):
+  0   every process succeeded
+  75  requeue: every process exited 0 or 75 (a preemption, saved); or a process the launcher had
+      sent SIGTERM died of it (preempted before it could save: nothing is lost); or a process was
+      LOST, killed by SIGKILL from outside the pod (the OOM killer, a lost node). When a peer is
+      lost the runtime itself aborts the survivors (a C++ check failure, -6, once
+      --heartbeat_timeout_secs passes; the abort cannot be intercepted from Python). Nothing
+      committed is lost either way, and a requeue resumes from the latest committed step.
+  2   bad input (any process exited 2)
+  1   anything else (a crash: a blind restart may loop)
+A process that exits 75 while its peers still run makes the launcher forward SIGTERM to them: a
+preemption of one process is a preemption of the pod (a peer still waiting for it at start-up
+would otherwise wait out its timeout).
+"""
 
 import dataclasses
 import os
@@ -23,15 +38,31 @@ def free_port() -> int:
 @dataclasses.dataclass
 class Pod:
     processes: list[subprocess.Popen]
+    signalled: set[int] = dataclasses.field(default_factory=set)  # sent SIGTERM by the launcher
+    killed: set[int] = dataclasses.field(default_factory=set)  # sent SIGKILL by the launcher
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
     def signal_all(self, signum: int) -> None:
-        for proc in self.processes:
+        for index, proc in enumerate(self.processes):
             if proc.poll() is None:
                 proc.send_signal(signum)
+                (self.killed if signum == signal.SIGKILL else self.signalled).add(index)
+
+    def kill(self, index: int) -> None:
+        self.killed.add(index)
+        self.processes[index].kill()
+
+    def lost(self) -> list[int]:
+        """Processes killed by SIGKILL from outside the pod (not by this launcher)."""
+        return [i for i, p in enumerate(self.processes) if p.returncode == -signal.SIGKILL and i not in self.killed]
+
+    def codes(self) -> list[int]:
+        """Exit codes, a death by the launcher's own SIGTERM counted as preempted (it had nothing to save)."""
+        return [exit_codes.PREEMPTED if p.returncode == -signal.SIGTERM and i in self.signalled else p.returncode
+                for i, p in enumerate(self.processes)]
 
 
 def start_pod(module: str, flags_: list[str], num_processes: int, devices_per_process: int,
@@ -65,27 +96,34 @@ def _copy_lines(stream, prefix: str, output, lock: threading.Lock) -> None:
 
 def wait_pod(pod: Pod, peer_exit_grace_secs: float) -> int:
     """Waits for every process (killing stragglers after the grace) and returns the pod's exit code."""
-    first_exit = None
+    first_exit, forwarded = None, False
     while any(p.poll() is None for p in pod.processes):
         if first_exit is None and any(p.poll() is not None for p in pod.processes):
             first_exit = time.monotonic()
+        if not forwarded and any(p.poll() == exit_codes.PREEMPTED for p in pod.processes):
+            forwarded = True
+            logging.warning("a process exited %d (preempted): SIGTERM to the others", exit_codes.PREEMPTED)
+            pod.signal_all(signal.SIGTERM)
         if first_exit is not None and time.monotonic() - first_exit > peer_exit_grace_secs:
             for index, proc in enumerate(pod.processes):
                 if proc.poll() is None:
                     logging.error("process %d did not exit %.0fs after a peer did; killing it", index,
                                   peer_exit_grace_secs)
-                    proc.kill()
+                    pod.kill(index)
         time.sleep(0.1)
-    return pod_exit_code([p.returncode for p in pod.processes])
+    return pod_exit_code(pod.codes(), lost=pod.lost())
 
 
-def pod_exit_code(codes: list[int]) -> int:
+def pod_exit_code(codes: list[int], lost: list[int] = ()) -> int:
+    """The pod's code from its processes' codes; `lost`: processes SIGKILLed from outside (see above)."""
     if all(code == exit_codes.OK for code in codes):
         return exit_codes.OK
     if all(code in (exit_codes.OK, exit_codes.PREEMPTED) for code in codes):
         return exit_codes.PREEMPTED
     if exit_codes.BAD_INPUT in codes:
         return exit_codes.BAD_INPUT
+    if lost:
+        return exit_codes.PREEMPTED
     return exit_codes.FAILURE
 
 
@@ -98,10 +136,13 @@ def run_pod(module: str, flags_: list[str], num_processes: int, devices_per_proc
     try:
         code = wait_pod(pod, peer_exit_grace_secs)
     finally:
-        for proc in pod.processes:
+        for index, proc in enumerate(pod.processes):
             if proc.poll() is None:
-                proc.kill()
+                pod.kill(index)
     for pump in pumps:
         pump.join(timeout=5)
+    if pod.lost():
+        logging.warning("process(es) %s were killed by SIGKILL from outside the pod (lost); the latest committed "
+                        "checkpoint is intact: exiting %d so the job is requeued", pod.lost(), code)
     logging.info("pod exit codes %s -> %d", [p.returncode for p in pod.processes], code)
     return code

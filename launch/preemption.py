@@ -30,6 +30,7 @@ class PreemptionWatch:
         self._multiprocess = distributed.is_multiprocess()
         self._signalled = threading.Event()
         self._decisions: dict[int, bool] = {}
+        self._asked = 0  # decisions asked of the runtime so far in this process
         self._previous_handler = None
         if not self._multiprocess and threading.current_thread() is threading.main_thread():
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -48,7 +49,13 @@ class PreemptionWatch:
         """The decision for `step`; the runtime is asked only the first time per step."""
         if step not in self._decisions:
             if self._multiprocess:
-                decision = multihost_utils.reached_preemption_sync_point(step)
+                # The runtime's safe step is the largest id any process has passed, plus one, and a
+                # process that has passed none counts as 0. A resumed run's first training step is
+                # far above that, so a SIGTERM before its first decision would name a step the loop
+                # never asks about, and be lost. Every process decides at the same steps, so the
+                # index of the decision in this run is an id they agree on.
+                decision = multihost_utils.reached_preemption_sync_point(self._asked)
+                self._asked += 1
             else:
                 decision = self._signalled.is_set()
             self._decisions = {step: decision}  # only the current step is ever asked again

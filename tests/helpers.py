@@ -89,3 +89,59 @@ def run_python(script: str, device_count: int = 8, timeout: float = 300, **env):
     """Runs a Python snippet in a fresh process with `device_count` fake devices."""
     return subprocess.run([sys.executable, "-c", script], env=subprocess_env(device_count, **env), cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# --- fault outcomes (tests/test_faults.py) ----------------------------------------------------------
+
+def snapshot(path: str) -> dict[str, str] | None:
+    """{relative path: sha256 of the bytes} of every file under `path`, directories as "dir"; None if
+    `path` does not exist. Two equal snapshots mean nothing was created, changed or deleted."""
+    import hashlib
+
+    if not os.path.exists(path):
+        return None
+    if not os.path.isdir(path):
+        return {".": hashlib.sha256(open(path, "rb").read()).hexdigest()}
+    found = {}
+    for root, dirs, files in os.walk(path):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(root, name), path)] = "dir"
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                found[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
+def committed_snapshot(workdir: str) -> dict[int, dict[str, str]]:
+    """Each committed step's files and their hashes."""
+    from checkpointing.service import committed_steps
+
+    return {step: snapshot(checkpoint_dir(workdir, str(step))) for step in committed_steps(workdir)}
+
+
+def assert_committed_intact(before: dict[int, dict[str, str]], workdir: str) -> None:
+    """Every step committed `before` is still committed with the same bytes, or moved whole to superseded/."""
+    now = committed_snapshot(workdir)
+    superseded = os.path.join(workdir, "superseded")
+    moved = {name.split("-")[0]: snapshot(os.path.join(superseded, name))
+             for name in (os.listdir(superseded) if os.path.isdir(superseded) else []) if "verdict" not in name}
+    for step, files in before.items():
+        assert now.get(step) == files or moved.get(str(step)) == files, f"committed step {step} was lost or changed"
+
+
+def fault_line(result, code: int) -> str:
+    """Asserts the command exited `code` with no traceback on stderr; returns stderr's last line."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code, f"exit {result.returncode}, expected {code}:\n{result.stderr[-3000:]}"
+    assert lines and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return lines[-1]
+
+
+def assert_refused(result, before: dict[str, str] | None, watched: str, *expected: str) -> None:
+    """Bad input: exit 2, exactly one `error:` line on stderr containing every `expected` text, and
+    `watched` (the workdir, or the directory that would hold it) exactly as `before` (a snapshot)."""
+    line = fault_line(result, 2)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert line.startswith("error: ") and all(text in line for text in expected), line
+    assert snapshot(watched) == before, f"{watched} changed"

@@ -125,7 +125,7 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere_and_requeues(tmp_
     assert recorded_losses(workdir) == uninterrupted
 
 
-def test_sigkill_of_one_process_fails_the_pod_in_bounded_time_and_a_restart_resumes(tmp_path, uninterrupted):
+def test_sigkill_of_one_process_ends_the_pod_in_bounded_time_and_a_restart_resumes(tmp_path, uninterrupted):
     workdir = str(tmp_path / "run")
     flags = [f"--workdir={workdir}", "--steps=100000", *TRAIN, "--watchdog_secs=20",
              "--heartbeat_timeout_secs=10"]
@@ -141,7 +141,7 @@ def test_sigkill_of_one_process_fails_the_pod_in_bounded_time_and_a_restart_resu
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert code == exit_codes.FAILURE
+    assert code == exit_codes.PREEMPTED  # a lost process is a requeue (launch/pod.py)
     assert elapsed < 20 + 5 + 15, f"the survivor took {elapsed:.0f}s to exit"
     assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
     last = committed_steps(workdir)[-1]
@@ -187,3 +187,29 @@ def test_the_demo_preempts_resumes_on_another_layout_and_proves_it(tmp_path):
     assert any("4 processes, data=8" in line for line in lines)
     assert all(line.endswith(" pass") for line in lines[1:-1]), lines
     assert lines[-1].startswith("RESULT: the resumed loss list equals the uninterrupted run's")
+
+
+def test_sigterm_after_start_up_but_before_a_resumed_runs_first_step_still_preempts(tmp_path):
+    """The runtime's safe step is one past the largest id any process has asked about (none yet: 0).
+    A resumed run whose first decision is its training step (21 here) never reached that point and
+    trained on to the end; decisions are now numbered within the run, so the signal is honoured."""
+    workdir = str(tmp_path / "run")
+    from trainer import loop
+    loop.train(helpers.small_config(workdir, steps=20, save_every_steps=10, max_to_keep=100))
+    log_path = tmp_path / "pod.log"
+    flags = [f"--workdir={workdir}", "--steps=200", *TRAIN]
+    with open(log_path, "w") as log:
+        launcher = subprocess.Popen(pod_command(2, 4, *flags), env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT,
+                                    stdout=log, stderr=subprocess.STDOUT)
+        try:
+            pids = trainer_pids(launcher, 2)
+            wait_for(lambda: "phase compile" in open(log_path).read(), 120, "the resumed run's compile")
+            assert "step 30 loss" not in open(log_path).read(), "the signal must land before training resumes"
+            os.kill(pids[1], signal.SIGTERM)
+            assert launcher.wait(timeout=120) == exit_codes.PREEMPTED, open(log_path).read()[-3000:]
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    from checkpointing.service import read_manifest
+    newest = committed_steps(workdir)[-1]
+    assert 20 < newest < 200 and read_manifest(workdir, newest)["reason"] == "preemption"
