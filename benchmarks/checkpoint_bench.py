@@ -1,207 +1,176 @@
-"""Checkpoint benchmark: the service's costs as ratios against baselines measured in the same run.
+"""Checkpoint benchmark: the service's costs as ratios against plain Orbax, measured in one run.
 
 A random float32 state (128 MiB arrays plus an int32 scalar 'step', `--state_gib` in all), fully
 sharded over a data=4,model=2 mesh of 8 fake CPU devices (no replicas, so every variant moves
-exactly the state's bytes), measured as:
+exactly the state's bytes). Each variant runs in a fresh process of its own
+(benchmarks/checkpoint_child.py), so none sees another's memory; inside it, its cases run in
+rounds (one unmeasured, then --samples measured, in an order rotated each round), so the two
+sides of a ratio are measured seconds apart; the variants run in an order rotated each repeat:
 
-  1. step blocking: how long an async `service.save()` holds the training step, over a
-     synchronous save (async_save=False, save + wait) of the same state.        target <= 0.05
-  2. total save: async save + wait until committed, over plain Orbax
-     (`ocp.CheckpointManager(dir)`, default options, StandardSave + wait).       target <= 1.10
-  3. cross-mesh restore: `service.restore` onto data=8 and onto model=8 layouts, over a restore
-     onto the layout the step was saved from.
-  4. the fingerprints computed inside the synchronous save(), over that save.
-Every ratio is also shown without fingerprints: the time spent in `fingerprint_tree` (timed by a
-wrapper around the service's own call) taken out of both sides.
+  saves     sync_save: the service with async_save=False, save + wait;
+            async_save: the service as the trainer runs it: save() blocking, save + wait until
+            committed, and what save() spent its blocking time in (probed calls);
+            orbax_save: plain Orbax, ocp.CheckpointManager(dir) (async by default), StandardSave:
+            save() blocking, save + wait
+  passes    fingerprint_pass: the pass as save() runs it (tree_fingerprints, then to_ints), and
+            state_read: one read of the state (a jitted sum over every leaf) as its reference
+  restores  service.restore onto the saved layout, data=8 and model=8, and the time its
+            fingerprint check took
+  rss_*     peak host RSS above the live state (VmHWM, reset through /proc/self/clear_refs)
+            during a service save, a plain Orbax save and a restore, once each, unwarmed
 
-Only ratios are judged: absolute times depend on the machine, its disk and page cache and what
-else it runs, but both sides of a ratio see the same conditions. After one unmeasured warm-up
-round (compilation, Orbax start-up) the variants run interleaved, in a rotated order each repeat,
-each after a gc + sync; every ratio is a ratio of medians. Each save goes to a fresh directory
-(Orbax never sees an existing step) that is deleted right after: disk use stays near 2x the state.
+Only ratios are judged (every one is a ratio of medians), never absolute times; the header says
+how busy the rest of the machine was. Nothing is a test threshold: this prints what it measured,
+and --json_out writes the same numbers as data.
 
-  PYTHONPATH=. .venv/bin/python -m benchmarks.checkpoint_bench [--state_gib=1] [--repeats=5]
+  PYTHONPATH=. .venv/bin/python -m benchmarks.checkpoint_bench [--state_gib=1] [--repeats=2] [--samples=3] \
+      [--json_out=FILE] [--workdir=/tmp]
 """
 
-import os
-
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ["JAX_PLATFORMS"] = "cpu"  # both before jax is imported
-
 import collections
-import functools
-import gc
+import json
+import os
 import shutil
 import statistics
+import sys
 import tempfile
-import time
 
-import jax
-import jax.numpy as jnp
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing.service import CheckpointOptions, CheckpointService, RunMetadata
+from benchmarks import common
+from launch import exit_codes
 
-_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).")
-_REPEATS = flags.DEFINE_integer("repeats", 5, "Measured rounds (each runs every variant once).")
+_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
+                                lower_bound=0.125)
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of processes (each runs every timed variant once).",
+                                lower_bound=1)
+_SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of each variant's cases per process.", lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A fresh temporary directory is made under this "
                                "(default /tmp) and deleted at the end.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results to this file as JSON.")
+_CHILD_TIMEOUT = flags.DEFINE_float("child_timeout_secs", 900, "Kill a variant's process after this long.")
 
-LEAF_SHAPE = (8192, 4096)  # 128 MiB of float32
-SAVED_MESH = {"data": 4, "model": 2}
-RUN = RunMetadata(config={"bench": True}, fixed_fields={}, fixed_hash="bench", mesh=SAVED_MESH)
-# name -> (mesh axis sizes, partition spec of each array) of a restore target.
-LAYOUTS = {"same": ((4, 2), P("data", "model")),
-           "data=8": ((8, 1), P("data", None)),
-           "model=8": ((1, 8), P(None, "model"))}
+CHILD = "benchmarks.checkpoint_child"  # not imported here: it imports JAX and defines the same flags
+TIMED = ["saves", "passes", "restores"]
+RSS = ["rss_service_save", "rss_orbax_save", "rss_restore"]  # in order: the first writes the restore source
 
-
-def shardings(layout: str, num_arrays: int) -> dict:
-    mesh_shape, spec = LAYOUTS[layout]
-    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    tree = {f"w{i}": NamedSharding(mesh, spec) for i in range(num_arrays)}
-    tree["step"] = NamedSharding(mesh, P())
-    return tree
-
-
-def random_state(num_arrays: int) -> dict:
-    """Random arrays created directly in their shards (no host copy of the state)."""
-    target = shardings("same", num_arrays)
-    make = jax.jit(lambda key: jax.random.normal(key, LEAF_SHAPE, jnp.float32), out_shardings=target["w0"])
-    state = {f"w{i}": make(jax.random.key(i)) for i in range(num_arrays)}
-    state["step"] = jax.device_put(jnp.int32(0), target["step"])
-    return jax.block_until_ready(state)
-
-
-def settle() -> None:
-    """Frees the last variant's host buffers and flushes its writes, so that neither the kernel's
-    delayed write-back nor the garbage collector lands in the next measurement."""
-    gc.collect()
-    os.sync()
-    _FINGERPRINT_SECONDS.clear()
+# key -> (label, numerator (case, value), denominator (case, value), target or None)
+RATIOS = {
+    "blocking_over_plain_orbax_blocking": ("async save() blocking / plain Orbax async save() blocking",
+                                           ("async_save", "blocking"), ("orbax_save", "blocking"), 1.2),
+    "async_blocking_over_sync_save": ("async save() blocking / sync save + wait",
+                                      ("async_save", "blocking"), ("sync_save", "total"), 0.05),
+    "service_save_over_plain_orbax": ("service save + wait / plain Orbax save + wait",
+                                      ("async_save", "total"), ("orbax_save", "total"), 1.10),
+    "fingerprint_over_state_read": ("fingerprint pass / one read of the state",
+                                    ("fingerprint_pass", "secs"), ("state_read", "secs"), None),
+    "restore_data8_over_same": ("restore onto data=8 / onto the saved layout",
+                                ("restore[data=8]", "restore"), ("restore[same]", "restore"), None),
+    "restore_model8_over_same": ("restore onto model=8 / onto the saved layout",
+                                 ("restore[model=8]", "restore"), ("restore[same]", "restore"), None),
+    "restore_fingerprint_check_over_restore": ("fingerprint check in restore() / that restore",
+                                               ("restore[same]", "fingerprint_check"),
+                                               ("restore[same]", "restore"), None),
+}
+RSS_KEYS = {"peak_rss_save_over_state": ("service async save + wait", "rss_service_save", 1.3),
+            "peak_rss_plain_orbax_save_over_state": ("plain Orbax async save + wait", "rss_orbax_save", None),
+            "peak_rss_restore_over_state": ("service restore", "rss_restore", None)}
 
 
-_FINGERPRINT_SECONDS: list[float] = []  # time spent in fingerprint_tree since the last settle()
-_fingerprint_tree = fingerprint_lib.fingerprint_tree
+def run_variant(name: str, root: str, samples: dict[str, list]) -> None:
+    """Runs one variant's process and adds its samples ({"<case>.<value>": [...]}) to `samples`."""
+    result = common.run_child(CHILD, [f"--variant={name}", f"--state_gib={_STATE_GIB.value}", f"--root={root}",
+                                      f"--samples={_SAMPLES.value}"], timeout_secs=_CHILD_TIMEOUT.value)
+    for key, values in result.items():
+        samples[key if "." in key or key == "state_bytes" else f"{name}.{key}"] += values
+    logging.info("%s: %s", name, " ".join(f"{k}={statistics.median(v):.4g}" for k, v in result.items()))
 
 
-def _timed_fingerprint_tree(tree):
-    """The service's own fingerprint call, unchanged, plus a clock (installed by main())."""
-    started = time.perf_counter()
-    try:
-        return _fingerprint_tree(tree)
-    finally:
-        _FINGERPRINT_SECONDS.append(time.perf_counter() - started)
+def measure(root: str) -> dict[str, list]:
+    samples = collections.defaultdict(list)
+    for name in RSS:
+        run_variant(name, root, samples)
+    for repeat in range(_REPEATS.value):
+        shift = repeat % len(TIMED)
+        for name in TIMED[shift:] + TIMED[:shift]:
+            run_variant(name, root, samples)
+    return samples
 
 
-class Bench:
-    def __init__(self, root: str, state: dict):
-        self.root, self.state, self.step = root, state, 0
-        self.times: dict[str, list[float]] = collections.defaultdict(list)
-        self.abstract = {layout: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                              state, shardings(layout, len(state) - 1)) for layout in LAYOUTS}
-        self.restore_service = CheckpointService(os.path.join(root, "restore_src"),
-                                                 CheckpointOptions(async_save=False), run=RUN)
-        self.restore_service.save(1, state, losses={}, reason="interval")
+def summarize(samples: dict[str, list]) -> dict:
+    def median(case, value):
+        return statistics.median(samples[f"{case}.{value}"])
 
-    def record(self, measured: bool, **seconds: float) -> None:
-        """Each time, and the same less the fingerprinting done meanwhile (as '<name>-fp')."""
-        fingerprint = sum(_FINGERPRINT_SECONDS)
-        for name, value in seconds.items():
-            logging.info("%s%s: %.3fs (fingerprints %.3fs)", name, "" if measured else " (warm-up)", value, fingerprint)
-            if measured:
-                self.times[name].append(value)
-                self.times[f"{name}-fp"].append(value - fingerprint)
-        if measured and "sync_save" in seconds:
-            self.times["fingerprint"].append(fingerprint)
-
-    def save(self, kind: str, measured: bool) -> None:
-        """kind: 'sync' or 'async' (our service), or 'orbax' (a plain CheckpointManager, default options)."""
-        self.step += 1  # a fresh directory and step each time
-        directory = os.path.join(self.root, f"save_{self.step}")
-        if kind == "orbax":
-            manager = ocp.CheckpointManager(directory)
-            args = (self.step,), dict(args=ocp.args.StandardSave(self.state))
-        else:
-            manager = CheckpointService(directory, CheckpointOptions(async_save=kind == "async", max_to_keep=2), run=RUN)
-            args = (self.step, self.state), dict(losses={}, reason="interval")
-        started = time.perf_counter()
-        manager.save(*args[0], **args[1])
-        blocking = time.perf_counter() - started
-        manager.wait_until_finished()
-        total = time.perf_counter() - started
-        manager.close()
-        shutil.rmtree(directory)
-        if kind == "async":
-            self.record(measured, async_blocking=blocking, async_total=total)
-        else:
-            self.record(measured, **{f"{kind}_save": total})
-
-    def restore(self, layout: str, measured: bool) -> None:
-        started = time.perf_counter()
-        restored = jax.block_until_ready(self.restore_service.restore(1, self.abstract[layout]).state)
-        seconds = time.perf_counter() - started
-        del restored
-        self.record(measured, **{f"restore[{layout}]": seconds})
-
-    def variants(self):
-        return ([functools.partial(self.save, kind) for kind in ("sync", "async", "orbax")]
-                + [functools.partial(self.restore, layout) for layout in LAYOUTS])
+    state_bytes = samples["state_bytes"][0]
+    state_gib = state_bytes / 2**30
+    summary = {key: median(*num) / median(*den) for key, (_, num, den, _) in RATIOS.items()}
+    summary["fingerprint_secs_per_gib"] = median("fingerprint_pass", "secs") / state_gib
+    summary["state_read_secs_per_gib"] = median("state_read", "secs") / state_gib
+    for key, (_, variant, _) in RSS_KEYS.items():
+        summary[key] = median(variant, "extra_bytes") / state_bytes
+    parts = [key.split(":", 1)[1] for key in samples if key.startswith("async_save.part:")]
+    summary["blocking_parts_secs"] = {part: median("async_save", f"part:{part}") for part in parts}
+    top_level = [samples[f"async_save.part:{part}"] for part in parts if "/" not in part]  # '/': inside another
+    summary["blocking_parts_secs"]["python_and_other"] = statistics.median(
+        blocking - sum(part) for blocking, *part in zip(samples["async_save.blocking"], *top_level))
+    summary["medians_secs"] = {key: statistics.median(values) for key, values in samples.items()
+                               if ":" not in key and not key.startswith("rss_") and key != "state_bytes"}
+    summary["state_bytes"], summary["state_gib"] = state_bytes, state_gib
+    return summary
 
 
-def report(times: dict, state_gib: float, repeats: int) -> str:
-    def median(name):
-        return statistics.median(times[name])
+def report(summary: dict, samples: dict, load: dict) -> str:
+    def raw(case, value):
+        return ", ".join(f"{x:.3f}" for x in samples[f"{case}.{value}"])
 
-    def raw(name):
-        return f"{median(name):.3f}s [" + ", ".join(f"{t:.3f}" for t in times[name]) + "]"
-
-    rows = [("async save() step-blocking / sync save", "async_blocking", "sync_save", 0.05),
-            ("service async save + wait / plain Orbax save + wait", "async_total", "orbax_save", 1.10),
-            ("restore onto data=8 / restore onto saved mesh", "restore[data=8]", "restore[same]", None),
-            ("restore onto model=8 / restore onto saved mesh", "restore[model=8]", "restore[same]", None),
-            ("fingerprints in save() / sync save", "fingerprint", "sync_save", None)]
-    lines = [f"Checkpoint benchmark: {state_gib:g} GiB float32 state on 8 CPU devices; medians of {repeats} "
-             "interleaved repeats, raw seconds in brackets. 'Without fingerprints': the time spent in "
-             "fingerprint_tree (save's fingerprints, restore's check) taken out of both sides.", "",
-             "| ratio | value | target | met | without fingerprints | numerator | denominator |",
-             "|---|---|---|---|---|---|---|"]
-    for label, num, den, target in rows:
-        value = median(num) / median(den)
-        met = "n/a" if target is None else ("yes" if value <= target else "NO")
-        without = "-" if num == "fingerprint" else f"{median(num + '-fp') / median(den + '-fp'):.3f}"
-        lines.append(f"| {label} | {value:.3f} | {'-' if target is None else f'<= {target:.2f}'} | {met} | "
-                     f"{without} | {num} {raw(num)} | {den} {raw(den)} |")
+    lines = [f"Checkpoint benchmark: {summary['state_gib']:g} GiB float32 state on 8 CPU devices, each variant "
+             f"in its own process; medians of {_REPEATS.value} x {_SAMPLES.value} interleaved samples (raw seconds "
+             f"in brackets). Other processes used {load['other_cores']:.2f} cores meanwhile (load average "
+             f"{load['load_average_at_start'][0]:.2f} at the start, {load['load_average_at_end'][0]:.2f} at the end).",
+             "",
+             "| key | ratio | value | target | numerator | denominator |", "|---|---|---|---|---|---|"]
+    for key, (label, num, den, target) in RATIOS.items():
+        met = "reported" if target is None else f"<= {target:g} {'met' if summary[key] <= target else 'MISSED'}"
+        lines.append(f"| `{key}` | {label} | {summary[key]:.3f} | {met} | {'.'.join(num)} [{raw(*num)}] | "
+                     f"{'.'.join(den)} [{raw(*den)}] |")
+    for key, (label, variant, target) in RSS_KEYS.items():
+        met = "reported" if target is None else f"<= {target:g} {'met' if summary[key] <= target else 'MISSED'}"
+        lines.append(f"| `{key}` | peak RSS above the live state during a {label} / the state's bytes | "
+                     f"{summary[key]:.3f} | {met} | {samples[f'{variant}.extra_bytes'][0] / 2**20:.0f} MiB | "
+                     f"{summary['state_bytes'] / 2**20:.0f} MiB |")
+    lines += ["", f"Fingerprint pass {summary['fingerprint_secs_per_gib']:.3f} s/GiB; one read of the state "
+              f"{summary['state_read_secs_per_gib']:.3f} s/GiB "
+              "(`fingerprint_secs_per_gib`, `state_read_secs_per_gib`).",
+              "", "Where async save() blocks (medians, seconds): " + ", ".join(
+                  f"{part} {secs:.4f}" for part, secs in summary["blocking_parts_secs"].items())
+              + f"; in all {summary['medians_secs']['async_save.blocking']:.4f} "
+              f"(plain Orbax {summary['medians_secs']['orbax_save.blocking']:.4f})."]
     return "\n".join(lines)
 
 
 def main(argv):
     del argv
-    assert jax.device_count() == 8, jax.devices()
-    num_arrays = max(1, round(_STATE_GIB.value * 1024 / 128))
-    state_gib = num_arrays * 128 / 1024
-    fingerprint_lib.fingerprint_tree = _timed_fingerprint_tree  # service.py calls it via the module
+    if _WORKDIR.value and not os.path.isdir(_WORKDIR.value):
+        exit_codes.exit_bad_input(ValueError(f"--workdir={_WORKDIR.value}: not a directory"))
+    if _JSON_OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON_OUT.value))):
+        exit_codes.exit_bad_input(ValueError(f"--json_out={_JSON_OUT.value}: its directory does not exist"))
     root = tempfile.mkdtemp(prefix="checkpoint_bench_", dir=_WORKDIR.value or "/tmp")
+    meter = common.LoadMeter()
     try:
-        logging.info("state: %d x %s float32 (%.3f GiB) + step; workdir %s", num_arrays, LEAF_SHAPE, state_gib, root)
-        bench = Bench(root, random_state(num_arrays))
-        variants = bench.variants()
-        for variant in variants:  # warm-up: compile fingerprints and restores, start Orbax
-            settle()
-            variant(measured=False)
-        for repeat in range(_REPEATS.value):
-            shift = repeat % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
-                settle()
-                variant(measured=True)
-        bench.restore_service.close()
-        print(report(bench.times, state_gib, _REPEATS.value))
+        logging.info("state: %g GiB float32 + step; workdir %s", _STATE_GIB.value, root)
+        samples = measure(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    load = {"other_cores": meter.other_cores(), "load_average_at_start": meter.load_average_at_start,
+            "load_average_at_end": os.getloadavg()}
+    summary = summarize(samples)
+    print(report(summary, samples, load))
+    if _JSON_OUT.value:
+        with open(_JSON_OUT.value, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "repeats": _REPEATS.value,
+                       "samples_per_process": _SAMPLES.value, "load": load, **summary, "samples": samples},
+                      f, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)

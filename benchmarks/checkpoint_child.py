@@ -1,0 +1,236 @@
+"""One variant of the checkpoint benchmark, measured in a process of its own (see checkpoint_bench.py).
+
+  python -m benchmarks.checkpoint_child --variant=NAME --state_gib=G --root=DIR [--samples=N]
+
+makes the random state, runs the variant's cases in rounds (the first unmeasured: compiles,
+Orbax start-up; then --samples measured, each in an order rotated each round, so both sides of
+a ratio are measured seconds apart), and prints one JSON line: {"<case>.<value>": [samples]}.
+The rss_* variants run once, unwarmed, and report the peak RSS above the live state (VmHWM after
+resetting it through /proc/self/clear_refs).
+Every timed code path is probed (benchmarks.common.CallProbe): a variant raises if the code it
+names was not called, so a moved call breaks the benchmark instead of reading 0.
+"""
+
+import collections
+import gc
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from absl import app, flags
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from benchmarks import common
+from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import manifest as manifest_lib
+from checkpointing import service as service_lib
+from checkpointing.service import CheckpointOptions, CheckpointService, RunMetadata
+from launch import exit_codes
+
+_VARIANT = flags.DEFINE_enum("variant", None, ["saves", "passes", "restores", "rss_service_save", "rss_orbax_save",
+                                                "rss_restore"], "What to measure (see VARIANTS).", required=True)
+_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
+                                lower_bound=0.125)
+_ROOT = flags.DEFINE_string("root", None, "The benchmark's scratch directory.", required=True)
+_SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of the variant's cases.", lower_bound=1)
+
+LEAF_SHAPE = (8192, 4096)  # 128 MiB of float32
+RUN = RunMetadata(config={"bench": True}, fixed_fields={}, fixed_hash="bench", mesh={"data": 4, "model": 2})
+RESTORE_SOURCE = "restore_src"  # written by rss_service_save, read by every restore
+# name -> (mesh axis sizes, partition spec of each array) of a state or restore target.
+LAYOUTS = {"same": ((4, 2), P("data", "model")),
+           "data=8": ((8, 1), P("data", None)),
+           "model=8": ((1, 8), P(None, "model"))}
+
+# What save() calls while the caller waits, so its blocking time can be split up ('a/b': b runs inside a).
+_MANAGER = service_lib._Manager  # pylint: disable=protected-access  (the service's Orbax manager)
+BLOCKING_PARTS = {
+    "check_for_errors": (service_lib.CheckpointService, "check_for_errors"),
+    "fingerprint_dispatch": (fingerprint_lib, "tree_fingerprints"),
+    "leaf_table": (manifest_lib, "leaf_table"),
+    "orbax_manager_save": (_MANAGER, "save"),
+    "orbax_manager_save/preemption_query": (_MANAGER, "reached_preemption"),
+}
+PROBES = {name: common.CallProbe(*target) for name, target in BLOCKING_PARTS.items()}
+PROBES["fingerprint_readback"] = common.CallProbe(fingerprint_lib, "to_ints")  # by the background write
+PROBES["restore_fingerprint_check"] = common.CallProbe(fingerprint_lib, "fingerprint_tree")
+
+
+def num_arrays(state_gib: float) -> int:
+    return max(1, round(state_gib * 1024 / 128))
+
+
+def state_bytes(state_gib: float) -> int:
+    return num_arrays(state_gib) * 128 * 2**20 + 4
+
+
+def shardings(layout: str) -> dict:
+    mesh_shape, spec = LAYOUTS[layout]
+    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    tree = {f"w{i}": NamedSharding(mesh, spec) for i in range(num_arrays(_STATE_GIB.value))}
+    tree["step"] = NamedSharding(mesh, P())
+    return tree
+
+
+def random_state() -> dict:
+    """Random arrays made directly in their shards (no host copy), fully sharded over data=4,model=2."""
+    target = shardings("same")
+    make = jax.jit(lambda key: jax.random.normal(key, LEAF_SHAPE, jnp.float32), out_shardings=target["w0"])
+    state = {name: make(jax.random.key(i)) for i, name in enumerate(target) if name != "step"}
+    state["step"] = jax.device_put(jnp.int32(0), target["step"])
+    return jax.block_until_ready(state)
+
+
+def abstract_state(layout: str) -> dict:
+    return {name: jax.ShapeDtypeStruct(() if name == "step" else LEAF_SHAPE,
+                                       jnp.int32 if name == "step" else jnp.float32, sharding=sharding)
+            for name, sharding in shardings(layout).items()}
+
+
+def settle() -> None:
+    """Frees the last run's host buffers and flushes its writes, so neither lands in the next one."""
+    gc.collect()
+    os.sync()
+
+
+def require(*names: str, where: str) -> None:
+    for name in names:
+        PROBES[name].require_called(where)
+
+
+def reset_probes() -> None:
+    for probe in PROBES.values():
+        probe.reset()
+
+
+def save(kind: str, directory: str, state) -> dict[str, float]:
+    """kind: 'sync' or 'async' (the service), or 'orbax' (plain ocp.CheckpointManager, async by default)."""
+    if kind == "orbax":
+        manager = ocp.CheckpointManager(directory)
+        start = lambda: manager.save(1, args=ocp.args.StandardSave(state))
+    else:
+        manager = CheckpointService(directory, CheckpointOptions(async_save=kind == "async", max_to_keep=2), run=RUN)
+        start = lambda: manager.save(1, state, losses={}, reason="interval")
+    reset_probes()
+    started = time.perf_counter()
+    start()
+    blocking = time.perf_counter() - started
+    parts = {} if kind == "orbax" else {f"part:{name}": PROBES[name].seconds for name in BLOCKING_PARTS}
+    if kind != "orbax":
+        require(*BLOCKING_PARTS, where=f"{kind} CheckpointService.save()")
+    manager.wait_until_finished()
+    total = time.perf_counter() - started
+    manager.close()
+    if kind != "orbax":
+        require("fingerprint_readback", where=f"{kind} CheckpointService.save()'s background write")
+    return {"blocking": blocking, "total": total, **parts}
+
+
+def rounds(cases: dict) -> dict[str, list[float]]:
+    """Runs every case once per round, in an order rotated each round; the first round is not kept."""
+    names, samples = list(cases), collections.defaultdict(list)
+    for round_ in range(_SAMPLES.value + 1):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            settle()
+            result = cases[name]()
+            for key, value in result.items():
+                if round_:
+                    samples[f"{name}.{key}"].append(value)
+    return samples
+
+
+def timed_saves() -> dict[str, list[float]]:
+    state = random_state()
+
+    def one(kind: str) -> dict[str, float]:
+        directory = os.path.join(_ROOT.value, f"{kind}_save_{os.getpid()}")
+        try:
+            return save(kind, directory, state)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    return rounds({f"{kind}_save": lambda kind=kind: one(kind) for kind in ("sync", "async", "orbax")})
+
+
+def passes() -> dict[str, list[float]]:
+    """The fingerprint pass exactly as save() runs it (tree_fingerprints, then to_ints), and one
+    read of the state as its reference: a jitted sum over every leaf."""
+    state = random_state()
+    read = jax.jit(lambda tree: jax.tree.map(jnp.sum, tree), out_shardings=shardings("same")["step"])
+
+    def timed(run) -> dict[str, float]:
+        started = time.perf_counter()
+        run()
+        return {"secs": time.perf_counter() - started}
+
+    return rounds({"state_read": lambda: timed(lambda: jax.block_until_ready(read(state))),
+                   "fingerprint_pass": lambda: timed(
+                       lambda: fingerprint_lib.to_ints(fingerprint_lib.tree_fingerprints(state)))})
+
+
+def timed_restores() -> dict[str, list[float]]:
+    service = CheckpointService(os.path.join(_ROOT.value, RESTORE_SOURCE), read_only=True, run=RUN)
+
+    def one(layout: str) -> dict[str, float]:
+        target = abstract_state(layout)
+        reset_probes()
+        started = time.perf_counter()
+        restored = jax.block_until_ready(service.restore(1, target).state)
+        seconds = time.perf_counter() - started
+        require("restore_fingerprint_check", where="CheckpointService.restore()")
+        del restored
+        return {"restore": seconds, "fingerprint_check": PROBES["restore_fingerprint_check"].seconds}
+
+    return rounds({f"restore[{layout}]": lambda layout=layout: one(layout) for layout in LAYOUTS})
+
+
+def rss_save(kind: str) -> dict[str, list[int]]:
+    """Peak RSS above the live state during one save + wait (the process's first: nothing warmed)."""
+    state = random_state()
+    directory = os.path.join(_ROOT.value, RESTORE_SOURCE if kind == "async" else f"rss_{kind}")
+    settle()
+    before = common.reset_peak_rss()
+    save(kind, directory, state)
+    extra = common.peak_rss_bytes() - before
+    if kind == "orbax":
+        shutil.rmtree(directory)
+    return {"extra_bytes": [extra]}
+
+
+def rss_restore() -> dict[str, list[int]]:
+    """Peak RSS during one restore, above the state it restores (the process held none before)."""
+    service = CheckpointService(os.path.join(_ROOT.value, RESTORE_SOURCE), read_only=True, run=RUN)
+    target = abstract_state("same")
+    settle()
+    before = common.reset_peak_rss()
+    restored = jax.block_until_ready(service.restore(1, target).state)
+    extra = common.peak_rss_bytes() - before - state_bytes(_STATE_GIB.value)
+    del restored
+    return {"extra_bytes": [extra]}
+
+
+VARIANTS = {
+    "saves": timed_saves,  # sync_save, async_save, orbax_save
+    "passes": passes,  # state_read, fingerprint_pass
+    "restores": timed_restores,  # restore[same], restore[data=8], restore[model=8]
+    "rss_service_save": lambda: rss_save("async"),  # also writes the restore source
+    "rss_orbax_save": lambda: rss_save("orbax"),
+    "rss_restore": rss_restore,
+}
+
+
+def main(argv):
+    del argv
+    if jax.device_count() != 8:
+        exit_codes.exit_bad_input(ValueError(f"expected 8 fake CPU devices, got {jax.device_count()}: "
+                                             "run it through benchmarks.checkpoint_bench"))
+    print(json.dumps({**VARIANTS[_VARIANT.value](), "state_bytes": [state_bytes(_STATE_GIB.value)]}))
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
