@@ -1,5 +1,6 @@
 """When to save. One decision per step, identical on every process."""
 
+import math
 import time
 from typing import Callable
 
@@ -42,3 +43,74 @@ class SavePolicy:
         if jax.process_count() > 1:
             due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
         return due
+
+
+def p90(values) -> float | None:
+    """The 90th percentile (nearest rank) of recent commit times; None before any was measured."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else None
+
+
+def young_daly_interval(cost_secs: float, mtbi_secs: float, *, step_secs: float, max_overhead: float,
+                        max_interval_secs: float) -> float:
+    """sqrt(2 C M) (Young 1974, Daly 2006), then bounded.
+
+    The lower bound keeps saves below `max_overhead` of the time spent stepping (C / interval); it
+    never drops below one step. The upper bound wins over both: a long run still saves that often.
+    """
+    interval = max(math.sqrt(2 * cost_secs * mtbi_secs), cost_secs / max_overhead, step_secs)
+    # A NaN would make every time check false (never save): anything but a finite number caps.
+    return interval if interval <= max_interval_secs else max_interval_secs
+
+
+def mean_time_between_interruptions(interruptions: int, history_secs: float, prior_secs: float) -> float:
+    """M from the workdir's history, smoothed by a prior of one interruption every `prior_secs`.
+
+    Before any interruption M is prior + history (no interruption seen over that long), so a young
+    run saves as if one came every `prior_secs`; each interruption pulls M towards history / count.
+    """
+    return (prior_secs + max(history_secs, 0.0)) / (interruptions + 1)
+
+
+class AutoInterval:
+    """`--save_every_secs=auto`: measures the cost C of this run's saves and chooses the interval.
+
+    C is a save's blocking time plus the step slow-down while its background write runs (each
+    step's wall time over the baseline of steps with no write in flight). Every process measures;
+    only process 0's interval matters, since SavePolicy broadcasts process 0's time decision.
+    """
+
+    FIRST_INTERVAL_SECS = 60.0  # before any save was measured: save once soon to measure C
+
+    def __init__(self, *, mtbi_secs: float, max_overhead: float, max_interval_secs: float,
+                 cost_secs: float | None = None):
+        self.mtbi_secs = mtbi_secs
+        self.max_overhead = max_overhead
+        self.max_interval_secs = max_interval_secs
+        self.cost_secs = cost_secs
+        self.step_secs: float | None = None  # baseline, no background write in flight
+        self._blocking = 0.0
+        self._slowdown = 0.0
+
+    def interval(self) -> float:
+        if self.cost_secs is None:
+            return min(self.FIRST_INTERVAL_SECS, self.max_interval_secs)
+        return young_daly_interval(self.cost_secs, self.mtbi_secs, step_secs=self.step_secs or 0.0,
+                                   max_overhead=self.max_overhead, max_interval_secs=self.max_interval_secs)
+
+    def step(self, secs: float, *, writing: bool) -> None:
+        """One step's wall time; `writing` while a background save is in flight."""
+        if writing:
+            if self.step_secs is not None:
+                self._slowdown += max(secs - self.step_secs, 0.0)
+        else:  # a slow-moving baseline: one odd step moves it little
+            self.step_secs = secs if self.step_secs is None else 0.9 * self.step_secs + 0.1 * secs
+
+    def save_started(self, blocking_secs: float) -> None:
+        self._blocking = blocking_secs
+        self._slowdown = 0.0
+
+    def committed(self) -> None:
+        """The save in flight committed: its cost is known (averaged with the earlier ones)."""
+        cost = self._blocking + self._slowdown
+        self.cost_secs = cost if self.cost_secs is None else 0.5 * self.cost_secs + 0.5 * cost

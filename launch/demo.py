@@ -9,8 +9,9 @@
    the preemption checkpoint and finishes.
 4. The verifier, its own process on data=2, proves every checkpoint.
 It prints one row per checkpoint (step, how it was committed, the verdict) and a last line
-saying whether the resumed loss list equals the uninterrupted run's. Each pod's output is in
-<workdir>/logs/. Exit 0 if everything held, 1 otherwise.
+saying whether the resumed loss list equals the uninterrupted run's, then draws the run into
+<workdir>/run.png (as `checkpointing.inspect --plot` does) and prints its path. Each pod's output
+is in <workdir>/logs/. Exit 0 if everything held, 1 otherwise.
 """
 
 import os
@@ -22,6 +23,7 @@ import psutil
 from absl import app, flags, logging
 
 from checkpointing import manifest as manifest_lib
+from checkpointing import plot
 from checkpointing import verdicts
 from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps, read_manifest
@@ -91,6 +93,9 @@ def run_demo(root: str, steps: int, save_every_steps: int, model: str) -> bool:
                                 os.path.join(logs_dir, "4-verifier.log"))) == exit_codes.OK
 
     sys.stdout.write(report(run, reference, preempted_at, model) + "\n")
+    picture = os.path.join(root, "run.png")
+    plot.draw(plot.series(run), picture, title=f"demo: {run}", reference=plot.reference_loss(reference))
+    sys.stdout.write(f"PICTURE: {picture} (loss against step; checkpoints by verdict, the preemption, the resume)\n")
     return ok and equal_loss_lists(run, reference, preempted_at, model)[0]
 
 

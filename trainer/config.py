@@ -37,13 +37,16 @@ class TrainConfig:
     vocab_size: int = 64  # transformer: token vocabulary.
     # Checkpointing (see checkpointing.service.CheckpointOptions for the semantics).
     save_every_steps: int = 0  # Save when the step is a multiple of this; 0 disables.
-    save_every_secs: float = 0.0  # Also save when this long has passed since the last save; 0 disables.
+    save_every_secs: float | str = 0.0  # Also save when this long has passed since the last save; 0 disables; 'auto'.
+    max_save_overhead: float = 0.02  # auto: saves cost at most this fraction of the time (interval >= C / this).
+    max_save_interval_secs: float = 3600.0  # auto: the longest interval between two saves.
     max_to_keep: int = 5  # Most recent checkpoints kept (milestones and the newest verified aside).
     keep_every_steps: int = 0  # Steps that are multiples of this are kept forever; 0 disables.
     async_save: bool = True  # Write checkpoints in the background; the step blocks only for the copy.
     resume_from: str = "latest"  # 'latest', 'latest_verified', 'none' (fresh; refuses a non-empty workdir) or a step.
     preemption_grace_secs: float = 60.0  # After a preemption decision the save must commit within this, else exit 1.
     watchdog_secs: float = 600.0  # Longest a step, restore or save may block before the process exits 1.
+    lease_secs: float = 60.0  # The workdir lease expires this long after its last renewal (renewed every quarter).
 
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes by name, every axis of MESH_AXES present (a missing axis is 1)."""
@@ -82,6 +85,22 @@ FIXED_FIELDS = (
 )
 
 
+AUTO = "auto"
+
+
+def parse_save_every_secs(value) -> float | str:
+    """'auto', or a number of seconds >= 0 (finite); anything else is a ConfigError naming it."""
+    if isinstance(value, str) and value.strip() == AUTO:
+        return AUTO
+    try:
+        secs = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--save_every_secs must be a number of seconds or 'auto', got {value!r}") from None
+    if not 0 <= secs < float("inf"):
+        raise ConfigError(f"--save_every_secs must be >= 0 seconds or 'auto', got {value!r}")
+    return secs
+
+
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     """Parses 'data=4,model=2' into (('data', 4), ('model', 2)); '' means 'all devices on data'."""
     axes = []
@@ -98,18 +117,27 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(axes)
 
 
-def validate(config: TrainConfig, device_count: int) -> TrainConfig:
-    """Checks the config against itself and the visible devices; returns it with the mesh filled in."""
+def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:
+    """Checks the config against itself and the visible devices; returns it with the mesh filled in.
+
+    A reader of someone else's workdir (the verifier) passes check_workdir=False: it must not probe it.
+    """
     if config.model not in MODELS:
         raise ConfigError(f"--model: unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
     for name in ("steps", "batch_size", "log_every_steps", "input_dim", "hidden_dim", "num_layers",
                  "num_heads", "seq_len", "vocab_size", "max_to_keep"):
         if getattr(config, name) < 1:
             raise ConfigError(f"--{name} must be positive, got {getattr(config, name)}")
-    for name in ("preemption_grace_secs", "watchdog_secs"):
+    for name in ("preemption_grace_secs", "watchdog_secs", "lease_secs"):
         if not getattr(config, name) > 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(config, name)}")
-    for name in ("save_every_steps", "keep_every_steps", "save_every_secs"):
+    if config.save_every_secs != AUTO:
+        config = dataclasses.replace(config, save_every_secs=parse_save_every_secs(config.save_every_secs))
+    if not 0 < config.max_save_overhead <= 1:
+        raise ConfigError(f"--max_save_overhead must be in (0, 1], got {config.max_save_overhead}")
+    if not config.max_save_interval_secs > 0:
+        raise ConfigError(f"--max_save_interval_secs must be positive, got {config.max_save_interval_secs}")
+    for name in ("save_every_steps", "keep_every_steps"):
         if getattr(config, name) < 0:
             raise ConfigError(f"--{name} must be >= 0, got {getattr(config, name)}")
     if not config.learning_rate > 0:
@@ -130,7 +158,8 @@ def validate(config: TrainConfig, device_count: int) -> TrainConfig:
         raise ConfigError(
             f"--batch_size={config.batch_size} is not divisible by the data axis ({sizes['data']})"
         )
-    validate_workdir(config.workdir)
+    if check_workdir:
+        validate_workdir(config.workdir)
     return config
 
 
@@ -147,15 +176,28 @@ def format_mesh(mesh: tuple[tuple[str, int], ...]) -> str:
 
 
 def validate_workdir(workdir: str) -> None:
-    """A local workdir must be a writable directory (created if missing); gs:// is checked on use."""
+    """A local workdir must be a writable directory, or missing with a writable directory as its
+    nearest existing parent; gs:// is checked on use. Nothing is created: the trainer makes the
+    directory only once it holds the workdir (a refused run leaves nothing behind).
+    """
     if not workdir:
         raise ConfigError("--workdir is required")
     if workdir.startswith("gs://"):
         return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} exists and is not a directory")
+    if not os.path.isdir(workdir):
+        parent = os.path.dirname(os.path.abspath(workdir))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise ConfigError(f"--workdir={workdir} is not writable: {parent} is not a directory")
+        # access() is all a missing directory allows without creating something; it sees a
+        # read-only file system and, for everyone but root, the permission bits.
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"--workdir={workdir} is not writable: cannot create it in {parent}")
+        return
     try:
-        os.makedirs(workdir, exist_ok=True)
         # os.access lies for root; a real write is the only honest probe.
         with tempfile.NamedTemporaryFile(dir=workdir, prefix=".write-probe-"):
             pass

@@ -4,13 +4,17 @@ import dataclasses
 
 from absl import flags
 
-from trainer.config import ConfigError, TrainConfig, parse_mesh
+from trainer.config import ConfigError, TrainConfig, parse_mesh, parse_save_every_secs
 
 _DEFAULTS = TrainConfig()
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, verdicts and metrics (local path or gs://).")
 MESH = flags.DEFINE_string("mesh", "", "Axis sizes by name, e.g. data=4,model=2; a missing axis is 1; "
                            "the product must equal the device count. Empty: data=<all devices>.")
+COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", None,
+    "JAX's persistent compilation cache (local disk per host); unset: $XDG_CACHE_HOME (else ~/.cache)"
+    "/jax-checkpoint-service/compile; empty: no cache.")
 _FIELDS = {
     "model": flags.DEFINE_enum("model", _DEFAULTS.model, ["mlp", "transformer"], "Model to train."),
     "steps": flags.DEFINE_integer("steps", _DEFAULTS.steps, "Total steps of the run.", lower_bound=1),
@@ -29,9 +33,13 @@ _FIELDS = {
     "vocab_size": flags.DEFINE_integer("vocab_size", _DEFAULTS.vocab_size, "transformer: vocabulary.", lower_bound=2),
     "save_every_steps": flags.DEFINE_integer("save_every_steps", _DEFAULTS.save_every_steps,
                                              "Save when the step is a multiple of this; 0 disables.", lower_bound=0),
-    "save_every_secs": flags.DEFINE_float("save_every_secs", _DEFAULTS.save_every_secs,
-                                          "Also save when this long has passed since the last save; 0 disables.",
-                                          lower_bound=0),
+    "save_every_secs": flags.DEFINE_string("save_every_secs", str(_DEFAULTS.save_every_secs),
+                                           "Also save when this long has passed since the last save; 0 disables; "
+                                           "'auto': the interval that maximises goodput (Young/Daly)."),
+    "max_save_overhead": flags.DEFINE_float("max_save_overhead", _DEFAULTS.max_save_overhead,
+                                            "--save_every_secs=auto: saves cost at most this fraction of the time."),
+    "max_save_interval_secs": flags.DEFINE_float("max_save_interval_secs", _DEFAULTS.max_save_interval_secs,
+                                                 "--save_every_secs=auto: the longest interval between two saves."),
     "max_to_keep": flags.DEFINE_integer("max_to_keep", _DEFAULTS.max_to_keep,
                                         "Newest committed checkpoints kept.", lower_bound=1),
     "keep_every_steps": flags.DEFINE_integer("keep_every_steps", _DEFAULTS.keep_every_steps,
@@ -46,6 +54,9 @@ _FIELDS = {
         "After SIGTERM the final save must commit within this many seconds, else exit 1."),
     "watchdog_secs": flags.DEFINE_float("watchdog_secs", _DEFAULTS.watchdog_secs,
                                         "Longest a step, restore or save may block before exiting 1."),
+    "lease_secs": flags.DEFINE_float("lease_secs", _DEFAULTS.lease_secs,
+                                     "The workdir lease expires this long after its holder's last renewal: "
+                                     "a restart after a kill on another host waits at most this."),
 }
 
 
@@ -54,4 +65,5 @@ def config_from_flags(**extra) -> TrainConfig:
     if not WORKDIR.value:
         raise ConfigError("--workdir is required")
     values = {name: flag.value for name, flag in _FIELDS.items()}
+    values["save_every_secs"] = parse_save_every_secs(values["save_every_secs"])
     return dataclasses.replace(_DEFAULTS, workdir=WORKDIR.value, mesh=parse_mesh(MESH.value), **values, **extra)

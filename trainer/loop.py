@@ -6,13 +6,19 @@ import os
 import time
 
 import jax
+import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
-from checkpointing.policy import SavePolicy
+from checkpointing import lease as lease_lib
+from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedError
+from checkpointing.errors import one_line_cause
 from launch.preemption import PreemptionWatch
 from launch.watchdog import Watchdog
 from trainer import checkpoints
 from trainer.config import TrainConfig, format_mesh
+from trainer import metrics
+from trainer.metrics import RunMetrics
 from trainer.program import Program, build_mesh, build_program
 
 METRICS_FILE = "metrics.jsonl"
@@ -44,6 +50,7 @@ class LossLog:
         self._pending: list[tuple[int, jax.Array]] = []
         self.losses: dict[int, float] = {}
         self._metrics_path = os.path.join(workdir, METRICS_FILE) if jax.process_index() == 0 else None
+        self.metrics = RunMetrics(workdir) if jax.process_index() == 0 else None  # TensorBoard + progress
 
     def add(self, step: int, loss: jax.Array) -> None:
         self._pending.append((step, loss))
@@ -57,8 +64,23 @@ class LossLog:
         self._pending.clear()
         self.losses.update(fresh)
         if self._metrics_path and not self._metrics_path.startswith("gs://"):
-            with open(self._metrics_path, "a") as f:
-                f.write("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in fresh.items()))
+            data = "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in fresh.items()).encode()
+            try:
+                with open(self._metrics_path, "ab", buffering=0) as f:
+                    start = f.seek(0, os.SEEK_END)
+                    try:
+                        while data:
+                            data = data[f.write(data):]
+                    except OSError:
+                        f.truncate(start)  # no half line: the file stays one JSON record per line
+                        raise
+            except OSError as err:
+                # Metrics are a convenience copy: every loss is also recorded in the next checkpoint's
+                # manifest, and a full disk fails that save with its own line. So warn and train on.
+                logging.log_every_n_seconds(
+                    logging.WARNING, "metrics: cannot append steps %d..%d to %s (%s); training goes on, "
+                    "the checkpoints' manifests record every loss", 600, min(fresh), max(fresh),
+                    self._metrics_path, one_line_cause(err))
         return fresh
 
 
@@ -74,26 +96,65 @@ def read_metrics(workdir: str) -> dict[int, float]:
 
 def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog,
               on_step=None):
-    """Runs steps [start_step, end_step); `on_step(step, state)` runs after each (for saves)."""
+    """Runs steps [start_step, end_step); `on_step(step, state)` runs after each (for saves).
+
+    At the log cadence process 0 logs one progress line and writes its TensorBoard scalars; the
+    time spent in `on_step` when it saved (its `last_saved_step` moved) is the save's blocking time.
+    """
     config = program.config
     sync_each_step = blocks_each_step(program)
     tick, tick_step = time.perf_counter(), start_step
-    for step in range(start_step, end_step):
-        state, loss = program.step_fn(state, program.batch_fn(step))
-        loss_log.add(step, loss)
-        if sync_each_step:
-            loss.block_until_ready()
-        done = step + 1
-        if done % config.log_every_steps == 0 or done == end_step:
-            fresh = loss_log.flush()
-            now = time.perf_counter()
-            if jax.process_index() == 0:
-                logging.info("step %d loss %.6f steps/s %.2f", done, fresh[step],
-                             (done - tick_step) / max(now - tick, 1e-9))
-            tick, tick_step = now, done
-        if on_step is not None:
-            state = on_step(done, state, loss_log)
+    hook_secs, save_blocking = 0.0, []
+    try:
+        for step in range(start_step, end_step):
+            state, loss = program.step_fn(state, program.batch_fn(step))
+            loss_log.add(step, loss)
+            if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
+                loss.block_until_ready()
+                log_phase("first_step", time.perf_counter() - tick)
+            if sync_each_step:
+                loss.block_until_ready()
+            done = step + 1
+            if done % config.log_every_steps == 0 or done == end_step:
+                fresh = loss_log.flush()
+                now = time.perf_counter()
+                if loss_log.metrics is not None:
+                    loss_log.metrics.report(step=done, total=config.steps, losses=fresh,
+                                            steps_per_sec=(done - tick_step) / max(now - tick, 1e-9),
+                                            step_secs=max(now - tick - hook_secs, 0.0),
+                                            save_blocking_secs=save_blocking)
+                tick, tick_step, hook_secs, save_blocking = now, done, 0.0, []
+            if on_step is not None:
+                saved_before, hook_start = getattr(on_step, "last_saved_step", None), time.perf_counter()
+                state = on_step(done, state, loss_log)
+                hook_secs += time.perf_counter() - hook_start
+                if getattr(on_step, "last_saved_step", None) != saved_before:
+                    save_blocking.append(time.perf_counter() - hook_start)
+    finally:
+        if loss_log.metrics is not None:
+            loss_log.metrics.close()
     return state
+
+
+def log_phase(name: str, secs: float) -> None:
+    """One start-up phase's duration, as `phase <name> <secs>s` (benchmarks parse this line)."""
+    if jax.process_index() == 0:
+        logging.info("phase %s %.3fs", name, secs)
+        metrics.record_phase(name, secs)
+
+
+def compile_program(program: Program, *, fresh: bool) -> None:
+    """Compiles the batch function, the step and (starting fresh) the init ahead of the loop.
+
+    jit's own cache then holds these executables, so the loop's first calls compile nothing; with
+    the persistent compilation cache on, a warm restart loads them from disk instead.
+    """
+    program.batch_fn.lower(0).compile()
+    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=program.batch_sharding),
+                         jax.eval_shape(program.batch_fn, 0))
+    program.step_fn.lower(program.abstract_state, batch).compile()
+    if fresh:
+        program.init_fn.lower().compile()
 
 
 def replay_losses(program: Program, state, start_step: int, num_steps: int):
@@ -108,23 +169,86 @@ def replay_losses(program: Program, state, start_step: int, num_steps: int):
     return state, {start_step + i: float(v) for i, v in enumerate(values)}
 
 
-def train(config: TrainConfig) -> TrainResult:
-    """Trains up to `config.steps`, resuming per --resume_from and saving per the config."""
+def _acquire_pod_lease(config: TrainConfig) -> lease_lib.Lease | None:
+    """Process 0 takes the workdir's lease for the whole pod; every process raises if it cannot."""
+    lease, error = None, None
+    if jax.process_index() == 0:
+        try:
+            lease = lease_lib.acquire(config.workdir, config.lease_secs)
+        except Exception as err:  # the other processes must not wait in the broadcast forever
+            error = err
+    outcome = 0 if error is None else 2 if isinstance(error, WorkdirLeasedError) else 1
+    if jax.process_count() > 1:
+        outcome = int(multihost_utils.broadcast_one_to_all(np.int32(outcome)))
+    if outcome and error is None:
+        error = (WorkdirLeasedError if outcome == 2 else CheckpointError)(
+            f"process 0 could not take the lease on {config.workdir} (its log names the holder)")
+    if error is not None:
+        raise error
+    return lease
+
+
+def _lease_check(lease: lease_lib.Lease | None):
+    """The service's check before each save: every process stops once process 0's lease is lost."""
+
+    def check(step: int) -> None:
+        lost = None
+        if lease is not None:
+            try:
+                lease.check()
+            except LeaseLostError as err:
+                lost = str(err)
+        if jax.process_count() > 1 and int(multihost_utils.broadcast_one_to_all(np.int32(lost is not None))):
+            lost = lost or "process 0 lost the workdir lease (its log names the new holder)"
+        if lost is not None:
+            raise LeaseLostError(f"step {step} not saved: {lost}")
+
+    return check
+
+
+def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -> TrainResult:
+    """Trains up to `config.steps`, resuming per --resume_from and saving per the config.
+
+    `startup_phases` are the entry point's own phases (process start, distributed start-up), logged
+    with the loop's (compile, restore, first step) as `phase <name> <secs>s` lines.
+
+    The workdir's lease is taken after the read-only resume checks and before anything is written
+    (a refused trainer leaves the workdir as it was), and released on every exit Python sees.
+    """
     candidates = checkpoints.resume_candidates(config)
+    lease = _acquire_pod_lease(config)
+    # Logged once the run is admitted: a refused run prints its one error line and nothing else.
+    for name, secs in (startup_phases or {}).items():
+        log_phase(name, secs)
+    try:
+        return _train_holding_lease(config, candidates, lease)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _train_holding_lease(config: TrainConfig, candidates: list[int], lease: lease_lib.Lease | None) -> TrainResult:
     mesh = build_mesh(config)
     program = build_program(config, mesh)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
+    begin = time.perf_counter()
+    compile_program(program, fresh=not candidates)
+    log_phase("compile", time.perf_counter() - begin)
     preemption = PreemptionWatch()
     watchdog = Watchdog(config.watchdog_secs)
+    service = None
     try:
-        service = checkpoints.open_service(config, program, preemption_decision=preemption.decided)
+        service = checkpoints.open_service(config, program, preemption_decision=preemption.decided,
+                                           writer_check=_lease_check(lease))
+        begin = time.perf_counter()
         with watchdog.bounded("restoring", config.watchdog_secs):
             start_step, state = checkpoints.restore_or_init(program, service, candidates)
-        saver = checkpoints.Saver(service, SavePolicy(config.save_every_steps, config.save_every_secs),
-                                  start_step=start_step, end_step=config.steps, preemption=preemption,
-                                  watchdog=watchdog, grace_secs=config.preemption_grace_secs)
+        jax.block_until_ready(state)
+        log_phase("restore", time.perf_counter() - begin)
+        saver = checkpoints.make_saver(config, service, start_step=start_step, preemption=preemption,
+                                       watchdog=watchdog)
         loss_log = LossLog(config.workdir)
         start = time.perf_counter()
         watchdog.pet(f"step {start_step + 1} (compiles the step)")
@@ -132,6 +256,14 @@ def train(config: TrainConfig) -> TrainResult:
         with watchdog.bounded("committing the final checkpoint", config.watchdog_secs):
             jax.block_until_ready(state)
             service.close()  # waits for the last save to commit (or raises AsyncSaveError)
+    except BaseException:
+        if service is not None:  # a save still writing once the lease is released could race the next writer
+            with watchdog.bounded("ending the in-flight save", config.watchdog_secs):
+                try:
+                    service.wait_until_finished()
+                except CheckpointError:
+                    pass  # the error being raised already says what failed
+        raise
     finally:
         watchdog.stop()
         preemption.close()

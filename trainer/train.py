@@ -1,41 +1,113 @@
 """Entry point: python -m trainer.train --workdir=DIR [--mesh=data=4,model=2] [--model=transformer] ...
 
 Kept short on purpose: flags in, a config out, and trainer.loop.train does the work (tests call
-that same function).
+that same function). Exit 0 done; 75 preempted (requeue); 2 bad input, one `error:` line; 1 a
+fault, whose one `error:` line, last on stderr, names the step, the path and the cause.
 """
 
-import sys
+from launch import distributed  # first, and without JAX (see distributed.hold_sigterm)
 
-import jax
-from absl import app, logging
+if __name__ == "__main__":
+    distributed.hold_sigterm()  # from here until the runtime starts, SIGTERM is a preemption: exit 75
 
-from checkpointing.errors import BadCheckpointRequest, CheckpointError
-from launch import distributed, exit_codes, logs
-from launch.preemption import Preempted
-from trainer import flags as trainer_flags
-from trainer import loop
-from trainer.config import validate
+import os  # noqa: E402  (after the SIGTERM guard: importing JAX takes about a second)
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+from absl import app, logging  # noqa: E402
+
+from checkpointing.errors import BadCheckpointRequest, CheckpointError, one_line_cause  # noqa: E402
+from checkpointing.storage import check_workdir  # noqa: E402
+from launch import exit_codes, logs  # noqa: E402
+from launch.preemption import Preempted  # noqa: E402
+from trainer import flags as trainer_flags  # noqa: E402
+from trainer import loop  # noqa: E402
+from trainer.config import validate  # noqa: E402
+
+
+def process_start_time() -> float | None:
+    """The epoch time this process started (Linux /proc), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jax-checkpoint-service", "compile")
+
+
+def use_compilation_cache(path: str) -> None:
+    """Turns on JAX's persistent compilation cache at `path` (before anything compiles).
+
+    Every entry is cached (min compile time and size 0: the init and batch functions compile in
+    well under JAX's default one second). An unusable directory, a corrupt entry or one JAX cannot
+    load is one warning and a plain compile, never a crash: the cache only saves time.
+    """
+    if not path:
+        return
+    if "://" not in path:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as err:
+            logging.warning("compilation cache %s is unusable (%s); compiling without it", path, one_line_cause(err))
+            return
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    show = warnings.showwarning
+    warned = []
+
+    # JAX warns once per bad entry; one line says it all (the run compiles what it cannot read).
+    def show_once(message, category, *args, **kwargs):
+        if "persistent compilation cache" not in str(message):
+            return show(message, category, *args, **kwargs)
+        if not warned:
+            warned.append(message)
+            logging.warning("compilation cache %s: %s; compiling instead (later cache errors are not logged)",
+                            path, str(message).splitlines()[0])
+
+    warnings.showwarning = show_once
 
 
 def main(argv: list[str]) -> None:
+    started, phases = time.time(), {}
+    process_started = process_start_time()
+    if process_started is not None:
+        phases["process_start"] = max(started - process_started, 0.0)
     logs.quiet_library_logs()
     if len(argv) > 1:
         exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
     try:
+        begin = time.perf_counter()
         distributed.initialize()
+        phases["distributed_start"] = time.perf_counter() - begin
         config = validate(trainer_flags.config_from_flags(), jax.device_count())
+        check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// endpoint is one line
     except ValueError as err:  # ConfigError included
         exit_codes.exit_bad_input(err)
+    except CheckpointError as err:
+        logs.exit_failure(str(err), err)
+    cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
+    use_compilation_cache(default_compilation_cache_dir() if cache_dir is None else cache_dir)
     try:
-        loop.train(config)
+        loop.train(config, startup_phases=phases)
     except Preempted as preempted:
         logging.warning("%s: exiting with %d so the scheduler requeues the job", preempted, exit_codes.PREEMPTED)
         sys.exit(exit_codes.PREEMPTED)
     except BadCheckpointRequest as err:
         exit_codes.exit_bad_input(err)
     except CheckpointError as err:
-        logging.error("%s: %s", type(err).__name__, err)
-        sys.exit(exit_codes.FAILURE)
+        logs.exit_failure(str(err), err)
+    except OSError as err:  # the disk itself, outside a save (full, read-only, gone)
+        logs.exit_failure(f"{err.filename or config.workdir}: {one_line_cause(err)}", err)
 
 
 if __name__ == "__main__":

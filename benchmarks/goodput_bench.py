@@ -1,0 +1,280 @@
+"""Goodput under preemption, end to end: this trainer against plain Orbax, side by side.
+
+  python -m benchmarks.goodput_bench [--steps=80] [--preemptions=2] [--seed=0] [--json_out=FILE]
+
+Every variant trains the same mlp (sized so that one save takes about a second) for the same
+number of steps on a 2-process local pod (`launch.local`, 1 CPU device each, data=2), one after
+the other. A fixed, seeded schedule sends SIGTERM to one process of the running pod at given wall
+times (offsets from the variant's start, drawn once from the ideal run's wall time); the benchmark
+relaunches the pod at once, as a scheduler would, until it exits 0 (a SIGTERM scheduled after the
+variant has finished is not sent).
+
+  ideal                 no preemptions, no saves (benchmarks/plain_orbax_trainer.py --noplain_save)
+  service               this trainer (checkpoint every --save_every_steps)
+  plain_orbax           the same program, data and loop with a plain async ocp.CheckpointManager
+  service_auto          this trainer with --save_every_secs=auto
+  service_no_cache      `service` without the persistent compilation cache (restart latency only)
+An untimed warm-up run of the trainer fills the compilation cache first.
+
+Per variant: goodput (the ideal wall time over this variant's, excluding nothing), steps
+recomputed per preemption (the step the preempted pod reached minus the step the next one
+resumed), restart latency (relaunch to the first step's loss, from the log's time stamp) and its
+split into the trainer's `phase <name> <secs>s` lines (process start, distributed start-up,
+compile, restore, first step; what they leave out is start-up work between the phases), and the
+wall-time overhead
+per save ((wall - ideal wall - restart latencies) / saves). A markdown table on stdout; --json_out
+writes the numbers. Every process is started in its own group and killed by PID on any exit.
+"""
+
+import atexit
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+from absl import app, flags, logging
+
+from benchmarks.common import ROOT
+from trainer.metrics import PHASES, parse_phases
+
+STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
+SAVE_EVERY_STEPS = flags.DEFINE_integer("save_every_steps", 10, "Fixed save cadence (service, plain_orbax).")
+PREEMPTIONS = flags.DEFINE_integer("preemptions", 2, "SIGTERMs per preempted variant.", lower_bound=0)
+SEED = flags.DEFINE_integer("seed", 0, "Seeds the preemption schedule.")
+HIDDEN_DIM = flags.DEFINE_integer("hidden_dim", 1024, "mlp width (sets the save size).")
+VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache"],
+                             "Variants to run after `ideal`.")
+TIMEOUT_SECS = flags.DEFINE_float("timeout_secs", 570, "The whole benchmark is stopped (every process killed) "
+                                  "after this long.")
+JSON_OUT = flags.DEFINE_string("json_out", None, "Write the numbers as JSON here.")
+WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a temporary directory, removed).")
+
+TRAIN = ["--model=mlp", "--mesh=data=2", "--batch_size=64", "--num_layers=4", "--log_every_steps=5",
+         "--max_to_keep=1000", "--lease_secs=5"]
+PREEMPTED_AT = re.compile(r"preempted at step (\d+)")
+RESUMED_FROM = re.compile(r"resumed from step (\d+)")
+FIRST_STEP_AT = re.compile(r"^\[0\] I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] phase first_step ", re.M)
+_LIVE: set[int] = set()  # process groups still running, killed on any exit
+
+
+def _kill_all(*_):
+    for pgid in list(_LIVE):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _LIVE.discard(pgid)
+
+
+def variant_command(variant: str, workdir: str, cache_dir: str) -> tuple[str, list[str]]:
+    sizes = [f"--input_dim={HIDDEN_DIM.value}", f"--hidden_dim={HIDDEN_DIM.value}"]
+    common = [f"--workdir={workdir}", f"--steps={STEPS.value}", *TRAIN, *sizes]
+    cache = f"--compilation_cache_dir={'' if variant == 'service_no_cache' else cache_dir}"
+    every = f"--save_every_steps={SAVE_EVERY_STEPS.value}"
+    if variant == "ideal":
+        return "benchmarks.plain_orbax_trainer", [*common, "--noplain_save", cache]
+    if variant == "plain_orbax":
+        return "benchmarks.plain_orbax_trainer", [*common, every, cache]
+    if variant == "service_auto":
+        return "trainer.train", [*common, "--save_every_secs=auto", cache]
+    if variant == "warm_up":
+        return "trainer.train", [*common[:1], f"--steps={SAVE_EVERY_STEPS.value}", *common[2:], every, cache]
+    if variant in ("service", "service_no_cache"):
+        return "trainer.train", [*common, every, cache]
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def require_auto_interval() -> None:
+    """service_auto needs --save_every_secs=auto; without it the variant fails instead of running something else."""
+    help_text = subprocess.run([sys.executable, "-m", "trainer.train", "--helpfull"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120).stdout
+    if "'auto'" not in help_text:
+        raise RuntimeError("service_auto: this trainer has no --save_every_secs=auto (issue 12 section 3)")
+
+
+def launch(module: str, args: list[str], log_path: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=1",
+               f"--module={module}", "--", *args]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    _LIVE.add(proc.pid)
+    return proc
+
+
+def sigterm_one(launcher: subprocess.Popen, process_id: int) -> bool:
+    try:
+        children = psutil.Process(launcher.pid).children()
+        targets = [c for c in children if f"--process_id={process_id}" in c.cmdline()]
+    except psutil.Error:
+        return False
+    for target in targets:
+        logging.info("SIGTERM to process %d (pid %d)", process_id, target.pid)
+        target.terminate()
+    return bool(targets)
+
+
+def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[float, int]], deadline: float) -> dict:
+    workdir = os.path.join(root, variant)
+    module, args = variant_command(variant, workdir, cache_dir)
+    begin, launches, pending = time.monotonic(), [], list(schedule)
+    while True:
+        log_path = os.path.join(root, f"{variant}-{len(launches)}.log")
+        launched_at = time.time()
+        proc = launch(module, args, log_path)
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{variant}: past the benchmark's --timeout_secs")
+            if pending and time.monotonic() - begin >= pending[0][0]:
+                _, process_id = pending.pop(0)
+                sigterm_one(proc, process_id)
+            time.sleep(0.05)
+        _LIVE.discard(proc.pid)
+        launches.append((launched_at, open(log_path).read()))
+        logging.info("%s launch %d: exit %d after %.1fs", variant, len(launches) - 1, proc.returncode,
+                     time.monotonic() - begin)
+        if proc.returncode == 0:
+            break
+        if proc.returncode != 75 or len(launches) > len(schedule) + 2:
+            raise RuntimeError(f"{variant}: pod exited {proc.returncode}; see {log_path}")
+    return summarise(variant, time.monotonic() - begin, launches, workdir)
+
+
+def first_step_wall_secs(launched_at: float, log: str) -> float | None:
+    """From the relaunch to its first step's loss (absl's local-time stamp of the `first_step` line)."""
+    match = FIRST_STEP_AT.search(log)
+    if match is None:
+        return None
+    local = time.localtime(launched_at)
+    hours, minutes, secs = int(match[1]), int(match[2]), float(match[3])
+    day_start = launched_at - (local.tm_hour * 3600 + local.tm_min * 60 + local.tm_sec + launched_at % 1)
+    return (day_start + hours * 3600 + minutes * 60 + secs - launched_at) % 86400
+
+
+def count_saves(workdir: str) -> int:
+    directory = os.path.join(workdir, "checkpoints")
+    return sum(name.isdigit() for name in os.listdir(directory)) if os.path.isdir(directory) else 0
+
+
+def summarise(variant: str, wall: float, launches: list[tuple[int, str]], workdir: str) -> dict:
+    restarts, recomputed = [], []
+    for (_, before), (launched_at, after) in zip(launches, launches[1:]):
+        reached = [int(s) for s in PREEMPTED_AT.findall(before)]
+        resumed = [int(s) for s in RESUMED_FROM.findall(after)] or [0]
+        if reached:  # else the SIGTERM came before training: no step was lost, the start-up was
+            recomputed.append(max(reached) - resumed[0])
+        phases = parse_phases(after)
+        if (to_first_step := first_step_wall_secs(launched_at, after)) is not None:
+            phases["wall"] = to_first_step
+        restarts.append(phases)
+    return {"variant": variant, "wall_secs": wall, "launches": len(launches), "restarts": restarts,
+            "recomputed": recomputed, "saves": count_saves(workdir)}
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def phase_sum(phases: dict[str, float]) -> float:
+    return sum(phases.get(name, 0.0) for name in PHASES)
+
+
+def restart_secs(phases: dict[str, float]) -> float:
+    """Relaunch to the first step's loss, excluding nothing (the phases' sum if the stamp is missing)."""
+    return phases.get("wall", phase_sum(phases))
+
+
+def report(results: dict[str, dict]) -> tuple[str, dict]:
+    ideal = results["ideal"]["wall_secs"]
+    out, rows = {"ideal_wall_secs": ideal}, []
+    header = ["variant", "wall s", "goodput", "preemptions", "recomputed/preemption", "restart s",
+              "phases sum s", *[f"{p} s" for p in PHASES], "saves", "overhead/save s"]
+    for name, r in results.items():
+        restarts = [restart_secs(p) for p in r["restarts"]]
+        goodput = ideal / r["wall_secs"]
+        recomputed = statistics.mean(r["recomputed"]) if r["recomputed"] else 0.0
+        per_save = (r["wall_secs"] - ideal - sum(restarts)) / r["saves"] if r["saves"] else None
+        out[f"goodput_{name}"] = goodput
+        out[f"recomputed_steps_per_preemption_{name}"] = recomputed
+        out[f"restart_secs_median_{name}"] = median(restarts)
+        out[f"save_overhead_secs_per_save_{name}"] = per_save
+        phases = [median([p[ph] for p in r["restarts"] if ph in p]) for ph in PHASES]
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"
+        rows.append([name, f"{r['wall_secs']:.1f}", f"{goodput:.3f}", str(len(r["restarts"])), f"{recomputed:.1f}",
+                     fmt(median(restarts)), fmt(median([phase_sum(p) for p in r["restarts"]])), *map(fmt, phases), str(r["saves"]), fmt(per_save)])
+    cached = [p for name, r in results.items() if name != "service_no_cache" for p in r["restarts"]]
+    uncached = results.get("service_no_cache", {}).get("restarts", [])
+    out["restart_secs_median"] = median([restart_secs(p) for p in cached])
+    out["restart_compile_secs_median"] = median([p["compile"] for p in cached if "compile" in p])
+    out["restart_secs_median_no_compile_cache"] = median([restart_secs(p) for p in uncached])
+    out["restart_compile_secs_median_no_compile_cache"] = median([p["compile"] for p in uncached if "compile" in p])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines), out
+
+
+def targets(out: dict) -> list[str]:
+    def check(name: str, left, right, factor: float) -> str:
+        if left is None or right is None:
+            return f"{name}: not measured"
+        holds = left >= factor * right if name.startswith("goodput") else left <= factor * right
+        return f"{name}: {'met' if holds else 'MISSED'} ({left:.3f} vs {factor:g} x {right:.3f})"
+
+    return [check("goodput_service >= 0.98 * goodput_plain_orbax", out.get("goodput_service"),
+                  out.get("goodput_plain_orbax"), 0.98),
+            check("goodput_service_auto >= goodput_service", out.get("goodput_service_auto"),
+                  out.get("goodput_service"), 1.0),
+            check("restart_secs_median <= 0.7 * restart_secs_median_no_compile_cache", out.get("restart_secs_median"),
+                  out.get("restart_secs_median_no_compile_cache"), 0.7)]
+
+
+def preemption_schedule(rng: random.Random, ideal_secs: float, count: int) -> list[tuple[float, int]]:
+    """(offset from the variant's start, process id) per SIGTERM: the k-th at (0.3 + 0.7 k + U(0, 0.1)) x the
+    ideal wall time, far enough apart that each lands in training rather than in the previous restart."""
+    return [(ideal_secs * (0.3 + 0.7 * k + rng.uniform(0.0, 0.1)), rng.choice([0, 1])) for k in range(count)]
+
+
+def main(argv: list[str]) -> None:
+    atexit.register(_kill_all)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # atexit then kills every pod
+    deadline = time.monotonic() + TIMEOUT_SECS.value
+    root = WORKDIR.value or tempfile.mkdtemp(prefix="goodput-")
+    os.makedirs(root, exist_ok=True)
+    cache_dir = os.path.join(root, "compile-cache")
+    if "service_auto" in VARIANTS.value:
+        require_auto_interval()
+    try:
+        # Untimed: fills the compilation cache (step, batch, init and the service's fingerprint
+        # functions), so that no variant's first launch pays a cold compile the others do not.
+        run_variant("warm_up", root, cache_dir, [], deadline)
+        results = {"ideal": run_variant("ideal", root, cache_dir, [], deadline)}
+        rng = random.Random(SEED.value)
+        ideal = results["ideal"]["wall_secs"]
+        schedule = preemption_schedule(rng, ideal, PREEMPTIONS.value)
+        logging.info("preemption schedule (secs from each variant's start, process): %s",
+                     [(round(t, 1), p) for t, p in schedule])
+        for variant in VARIANTS.value:
+            results[variant] = run_variant(variant, root, cache_dir, schedule, deadline)
+    finally:
+        _kill_all()
+        if not WORKDIR.value:
+            shutil.rmtree(root, ignore_errors=True)
+    table, out = report(results)
+    out["schedule"] = schedule
+    out["load_average"] = os.getloadavg()
+    sys.stdout.write(table + "\n\n" + "\n".join(targets(out)) + "\n")
+    if JSON_OUT.value:
+        with open(JSON_OUT.value, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

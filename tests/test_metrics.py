@@ -1,0 +1,148 @@
+"""Metrics people can look at: TensorBoard events, the progress line, the picture of a run."""
+
+import json
+import logging
+import os
+import struct
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+
+from checkpointing import plot, verdicts
+from checkpointing.report import recorded_losses
+from checkpointing.service import committed_steps
+from tests import helpers
+from tests.test_gcs import gcs_env, gs_workdir  # noqa: F401  (the emulator fixture)
+from trainer import loop, metrics
+
+
+def read_scalars(directory: str) -> dict[str, dict[int, float]]:
+    """Every scalar of the event files under `directory`: {tag: {step: value}} (TFRecord framing)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """20 steps on data=4,model=2 (saves 10, 20), then resumed to 30 on data=8, in process."""
+    workdir = str(tmp_path_factory.mktemp("metrics") / "run")
+    loop.train(helpers.small_config(workdir, steps=20, save_every_steps=10))
+    loop.train(helpers.small_config(workdir, mesh="data=8", steps=30, save_every_steps=10))
+    return workdir
+
+
+def test_phase_lines_parse():
+    log = ("I1130 12:00:00.1 123 loop.py:10] phase process_start 1.25s\n"
+           "I1130 12:00:01.0 123 loop.py:11] phase compile 0.5s\n"
+           "I1130 12:00:01.0 123 loop.py:11] phase bogus 9s\n")
+    assert metrics.parse_phases(log) == {"process_start": 1.25, "compile": 0.5}
+
+
+def test_progress_line_names_step_total_rate_eta_committed_and_verified():
+    line = metrics.progress_line(50, 300, 0.25, 10.0, committed=40, verified=None)
+    assert line.startswith("step 50 loss 0.250000 steps/s 10.00 ")
+    assert "progress 50/300 (17%)" in line and "eta 0m25s" in line
+    assert "last committed 40" in line and "last verified -" in line
+    assert "eta ?" in metrics.progress_line(1, 10, 1.0, float("nan"), None, None)
+
+
+def test_tensorboard_events_hold_the_losses_of_metrics_jsonl(resumed_run):
+    scalars = read_scalars(os.path.join(resumed_run, metrics.TENSORBOARD_DIR))
+    assert scalars["loss"] == pytest.approx(loop.read_metrics(resumed_run), rel=1e-6)
+    assert sorted(scalars["loss"]) == list(range(30))
+    assert set(scalars["steps_per_sec"]) == {5, 10, 15, 20, 25, 30}
+    assert all(v > 0 for v in scalars["steps_per_sec"].values())
+    assert all(0 < v <= 1 for v in scalars["goodput_so_far"].values())
+    # The resumed run's first report reads the listing afresh (then at most every 10 s).
+    assert scalars["checkpoint/last_committed_step"][25] == 20 and scalars["verifier/lag_steps"][25] == 20
+    assert scalars["save/blocking_secs"][15] > 0  # the save of step 10, reported at the next log step
+
+
+def test_progress_line_is_logged_at_the_log_cadence(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    loop.train(helpers.small_config(str(tmp_path / "run"), steps=10, save_every_steps=5))
+    lines = [r.getMessage() for r in caplog.records if " progress " in r.getMessage()]
+    assert [line.split()[1] for line in lines] == ["5", "10"]
+    assert "progress 10/10 (100%) eta 0m00s" in lines[-1] and "last committed" in lines[-1]
+
+
+def test_tensorboard_events_reach_a_gs_workdir(gcs_env, tmp_path):  # noqa: F811
+    from etils import epath
+
+    workdir = gs_workdir("tensorboard")
+    writer = metrics.EventWriter(workdir)
+    for step in range(3):
+        writer.scalars(step, {"loss": 1.5 - step})
+    writer.close()  # uploads the staged events file whole
+    local = tmp_path / "events"
+    local.mkdir()
+    for remote in (epath.Path(workdir) / metrics.TENSORBOARD_DIR).iterdir():
+        (local / remote.name).write_bytes(remote.read_bytes())
+    assert writer.enabled and read_scalars(str(local))["loss"] == {0: 1.5, 1: 0.5, 2: -0.5}
+
+
+def test_a_failing_tensorboard_write_warns_once_and_training_goes_on(tmp_path, caplog):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / metrics.TENSORBOARD_DIR).write_text("a file where the directory should be")
+    result = loop.train(helpers.small_config(str(workdir), steps=15))
+    assert sorted(result.losses) == list(range(15)) and committed_steps(str(workdir)) == [15]
+    warnings = [r.getMessage() for r in caplog.records if "TensorBoard events" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
+def test_plot_series_are_the_manifests_losses_with_checkpoints_and_resumes(resumed_run):
+    verdicts.write(resumed_run, verdicts.make(step=10, level="reproduced", status="pass", detail="test",
+                                              checkpoint_mesh={"data": 4, "model": 2}, verifier_mesh={"data": 2},
+                                              durations_secs={}))
+    run = plot.series(resumed_run)
+    recorded = recorded_losses(resumed_run)
+    assert run.loss_steps == sorted(recorded) == list(range(30))
+    assert run.loss_values == [recorded[s] for s in run.loss_steps]
+    assert [(c.step, c.loss, c.verdict) for c in run.checkpoints] == [
+        (10, recorded[9], "reproduced pass"), (20, recorded[19], "-"), (30, recorded[29], "-")]
+    assert run.checkpoints[0].colour == "tab:green"
+    assert run.resumes == [(20, "data=8,model=1 (1 processes)")] and run.preemptions == []
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_inspect_plot_writes_a_valid_image(resumed_run, tmp_path, suffix):
+    out = str(tmp_path / f"run{suffix}")
+    result = helpers.run_module("checkpointing.inspect", f"--workdir={resumed_run}", f"--plot={out}",
+                                f"--reference={resumed_run}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == out
+    if suffix == ".png":
+        import matplotlib.image
+
+        with open(out, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        height, width, _ = matplotlib.image.imread(out).shape
+        assert (width, height) == (1000, 500)
+    else:
+        root = ElementTree.parse(out).getroot()
+        assert root.tag.endswith("svg")
+
+
+def test_inspect_plot_bad_input_is_one_line_and_writes_nothing(resumed_run, tmp_path):
+    for flags, expected in [([f"--plot={tmp_path}/run.jpg"], "must end in"),
+                            ([f"--plot={tmp_path}/missing/run.png"], "does not exist"),
+                            ([f"--plot={tmp_path}/run.png", f"--reference={tmp_path}/nope"], "does not exist"),
+                            ([f"--reference={resumed_run}"], "--reference needs --plot")]:
+        result = helpers.run_module("checkpointing.inspect", f"--workdir={resumed_run}", *flags)
+        assert result.returncode == 2 and result.stderr.startswith("error: ") and expected in result.stderr, \
+            (flags, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert os.listdir(tmp_path) == []

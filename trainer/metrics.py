@@ -1,0 +1,202 @@
+"""Metrics people can look at: TensorBoard event files and one progress line per log cadence.
+
+Process 0 writes `<workdir>/tensorboard/` (never under `checkpoints/`, which Orbax owns) with
+tensorboardX (no TensorFlow). On a gs:// workdir the events go to a local staging file that is
+uploaded whole through the same storage layer as the checkpoints (at most every
+UPLOAD_EVERY_SECS, and at close). Metrics are a convenience: a failing write warns once and
+training goes on; the checkpoints' manifests record every loss.
+
+Start-up phases are logged by process 0 as `phase <name> <seconds>s` (names in PHASES);
+`parse_phases` reads them back from a log (the goodput benchmark does).
+"""
+
+import os
+import re
+import shutil
+import tempfile
+import time
+
+import psutil
+from absl import logging
+from etils import epath
+
+from checkpointing import verdicts
+from checkpointing.errors import one_line_cause
+from checkpointing.service import committed_steps, read_manifest
+
+TENSORBOARD_DIR = "tensorboard"
+PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
+PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")
+UPLOAD_EVERY_SECS = 60.0
+# The committed/verified steps are re-read at most this often (on gs:// each read is a request).
+STATUS_EVERY_SECS = {"local": 10.0, "gs": 60.0}
+
+
+_PHASES_SEEN: dict[str, float] = {}  # this process's start-up phases, written with the first scalars
+
+
+def record_phase(name: str, secs: float) -> None:
+    """Keeps a start-up phase's duration for TensorBoard (`restart/<name>_secs`); the caller logs the line."""
+    _PHASES_SEEN[name] = secs
+
+
+def parse_phases(text: str) -> dict[str, float]:
+    """{phase: seconds} from a log's `phase <name> <seconds>s` lines (the last of each name wins)."""
+    return {name: float(secs) for name, secs in PHASE_LINE.findall(text) if name in PHASES}
+
+
+def process_uptime_secs() -> float:
+    return time.time() - psutil.Process().create_time()
+
+
+class EventWriter:
+    """Scalars into TensorBoard event files; the first failure warns once and turns writing off."""
+
+    def __init__(self, workdir: str):
+        self._target = os.path.join(workdir, TENSORBOARD_DIR)
+        self._remote = workdir.startswith("gs://")
+        self._writer = None
+        self._broken = False
+        self._uploaded_at = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return not self._broken
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._broken:
+            return
+        try:
+            writer = self._open()
+            for tag, value in values.items():
+                writer.add_scalar(tag, float(value), step)
+        except Exception as err:  # a metrics write never stops training
+            self._fail("write", err)
+
+    def flush(self, force: bool = False) -> None:
+        if self._broken or self._writer is None:
+            return
+        try:
+            self._writer.flush()
+            if self._remote and (force or time.monotonic() - self._uploaded_at >= UPLOAD_EVERY_SECS):
+                self._upload(self._writer.logdir)
+        except Exception as err:
+            self._fail("flush", err)
+
+    def close(self) -> None:
+        """Drains the writer's queue (its flush does not) and, on gs://, uploads the whole file."""
+        writer, self._writer = self._writer, None
+        if self._broken or writer is None:
+            return
+        try:
+            writer.close()
+            if self._remote:
+                self._upload(writer.logdir)
+                shutil.rmtree(writer.logdir, ignore_errors=True)  # the staging copy
+        except Exception as err:
+            self._fail("close", err)
+
+    def _open(self):
+        if self._writer is None:
+            from tensorboardX import SummaryWriter  # imported late: only process 0 pays for it
+
+            logdir = tempfile.mkdtemp(prefix="tensorboard-") if self._remote else self._target
+            self._writer = SummaryWriter(logdir=logdir, flush_secs=3600)  # flushed at the log cadence
+        return self._writer
+
+    def _upload(self, local_dir: str) -> None:
+        for name in os.listdir(local_dir):  # one events file per writer; copied whole, replacing the last copy
+            with open(os.path.join(local_dir, name), "rb") as f:
+                (epath.Path(self._target) / name).write_bytes(f.read())
+        self._uploaded_at = time.monotonic()
+
+    def _fail(self, what: str, err: Exception) -> None:
+        self._broken = True
+        logging.warning("metrics: cannot %s TensorBoard events under %s (%s); training goes on without them",
+                        what, self._target, one_line_cause(err))
+
+
+class RunStatus:
+    """The last committed and last reproduced step, re-read at most every STATUS_EVERY_SECS.
+
+    Cheap reads only: the checkpoint directory listing and the verdicts of committed steps.
+    """
+
+    def __init__(self, workdir: str):
+        self._workdir = workdir
+        self._read_at = -float("inf")
+        self.committed: int | None = None
+        self.verified: int | None = None
+        self.preemptions = 0
+
+    def refresh(self, force: bool = False) -> None:
+        every = STATUS_EVERY_SECS["gs" if self._workdir.startswith("gs://") else "local"]
+        if not force and time.monotonic() - self._read_at < every:
+            return
+        self._read_at = time.monotonic()
+        try:
+            steps = committed_steps(self._workdir)
+            self.committed = steps[-1] if steps else None
+            self.verified = verdicts.newest_reproduced_step(self._workdir, steps)
+        except Exception as err:  # a status line is not worth a crash
+            logging.log_every_n_seconds(logging.WARNING, "metrics: cannot read the run's status in %s (%s)", 600,
+                                        self._workdir, one_line_cause(err))
+
+    def count_preemptions(self) -> None:
+        """Preemption checkpoints among the committed ones (read once, at start-up)."""
+        try:
+            self.preemptions = sum(read_manifest(self._workdir, s)["reason"] == "preemption"
+                                   for s in committed_steps(self._workdir))
+        except Exception as err:
+            logging.warning("metrics: cannot count preemptions in %s (%s)", self._workdir, one_line_cause(err))
+
+
+def format_eta(secs: float) -> str:
+    if not secs == secs or secs == float("inf"):  # NaN or no rate yet
+        return "?"
+    secs = int(round(secs))
+    return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
+
+
+def progress_line(step: int, total: int, loss: float, steps_per_sec: float, committed, verified) -> str:
+    eta = (total - step) / steps_per_sec if steps_per_sec > 0 else float("inf")
+    show = lambda s: "-" if s is None else str(s)
+    return (f"step {step} loss {loss:.6f} steps/s {steps_per_sec:.2f} progress {step}/{total} "
+            f"({100.0 * step / max(total, 1):.0f}%) eta {format_eta(eta)} last committed {show(committed)} "
+            f"last verified {show(verified)}")
+
+
+class RunMetrics:
+    """Process 0's view of the run at the log cadence: the progress line and the TensorBoard scalars."""
+
+    def __init__(self, workdir: str):
+        self.events = EventWriter(workdir)
+        self.status = RunStatus(workdir)
+        self._step_secs = 0.0  # wall time spent in steps (saves excluded) since this process started
+        self._started = False
+
+    def report(self, *, step: int, total: int, losses: dict[int, float], steps_per_sec: float,
+               step_secs: float, save_blocking_secs: list[float]) -> None:
+        if not self._started:
+            self._started = True
+            self.status.count_preemptions()
+            self.events.scalars(step, {"restart/startup_to_first_log_secs": process_uptime_secs(),
+                                       "preemptions": self.status.preemptions,
+                                       **{f"restart/{n}_secs": v for n, v in _PHASES_SEEN.items()}})
+        self._step_secs += step_secs
+        self.status.refresh()
+        committed, verified = self.status.committed, self.status.verified
+        logging.info("%s", progress_line(step, total, losses[max(losses)], steps_per_sec, committed, verified))
+        for s, loss in losses.items():
+            self.events.scalars(s, {"loss": loss})
+        values = {"steps_per_sec": steps_per_sec, "goodput_so_far": self._step_secs / max(process_uptime_secs(), 1e-9)}
+        if save_blocking_secs:
+            values["save/blocking_secs"] = max(save_blocking_secs)
+        if committed is not None:
+            values["checkpoint/last_committed_step"] = committed
+            values["verifier/lag_steps"] = committed - (verified or 0)
+        self.events.scalars(step, values)
+        self.events.flush()
+
+    def close(self) -> None:
+        self.events.close()
