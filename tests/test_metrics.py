@@ -68,6 +68,8 @@ def test_tensorboard_events_hold_the_losses_of_metrics_jsonl(resumed_run):
     # The resumed run's first report reads the listing afresh (then at most every 10 s).
     assert scalars["checkpoint/last_committed_step"][25] == 20 and scalars["verifier/lag_steps"][25] == 20
     assert scalars["save/blocking_secs"][15] > 0  # the save of step 10, reported at the next log step
+    assert scalars["save/commit_secs"] and all(v > 0 for v in scalars["save/commit_secs"].values())
+    assert all(scalars[f"restart/{phase}_secs"] for phase in ("compile", "restore"))
 
 
 def test_progress_line_is_logged_at_the_log_cadence(tmp_path, caplog):

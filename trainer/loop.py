@@ -122,7 +122,8 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                     loss_log.metrics.report(step=done, total=config.steps, losses=fresh,
                                             steps_per_sec=(done - tick_step) / max(now - tick, 1e-9),
                                             step_secs=max(now - tick - hook_secs, 0.0),
-                                            save_blocking_secs=save_blocking)
+                                            save_blocking_secs=save_blocking,
+                                            commit_secs=getattr(on_step, "commit_secs", []))
                 tick, tick_step, hook_secs, save_blocking = now, done, 0.0, []
             if on_step is not None:
                 saved_before, hook_start = getattr(on_step, "last_saved_step", None), time.perf_counter()

@@ -176,7 +176,7 @@ class RunMetrics:
         self._started = False
 
     def report(self, *, step: int, total: int, losses: dict[int, float], steps_per_sec: float,
-               step_secs: float, save_blocking_secs: list[float]) -> None:
+               step_secs: float, save_blocking_secs: list[float], commit_secs: list[float] = ()) -> None:
         if not self._started:
             self._started = True
             self.status.count_preemptions()
@@ -192,6 +192,8 @@ class RunMetrics:
         values = {"steps_per_sec": steps_per_sec, "goodput_so_far": self._step_secs / max(process_uptime_secs(), 1e-9)}
         if save_blocking_secs:
             values["save/blocking_secs"] = max(save_blocking_secs)
+        if commit_secs:  # the newest save's hand-off to commit, as the Saver measured it
+            values["save/commit_secs"] = commit_secs[-1]
         if committed is not None:
             values["checkpoint/last_committed_step"] = committed
             values["verifier/lag_steps"] = committed - (verified or 0)
