@@ -185,8 +185,10 @@ def test_the_demo_preempts_resumes_on_another_layout_and_proves_it(tmp_path):
     assert lines[0].split() == ["step", "committed", "verdict"]
     assert any("preemption, 2 processes" in line for line in lines)
     assert any("4 processes, data=8" in line for line in lines)
-    assert all(line.endswith(" pass") for line in lines[1:-1]), lines
-    assert lines[-1].startswith("RESULT: the resumed loss list equals the uninterrupted run's")
+    assert all(line.endswith(" pass") for line in lines[1:-2]), lines
+    assert lines[-2].startswith("RESULT: the resumed loss list equals the uninterrupted run's")
+    picture = lines[-1].split()[1]
+    assert lines[-1].startswith("PICTURE: ") and open(picture, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sigterm_after_start_up_but_before_a_resumed_runs_first_step_still_preempts(tmp_path):

@@ -215,6 +215,11 @@ class Saver:
         if reason and step != self.last_saved_step:
             loss_log.flush()
             losses = {s: v for s, v in loss_log.losses.items() if self.last_saved_step <= s < step}
+            if self._save_started is not None:
+                # The previous save is still writing: Orbax would wait for it inside save() anyway;
+                # waiting here first records its commit time instead of losing it.
+                self._service.wait_until_finished()
+                self._committed(self._clock())
             started = self._clock()
             self._service.save(step, state, losses=losses, reason=reason, extra=self._extra())
             self._save_started = started
