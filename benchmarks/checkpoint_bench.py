@@ -11,7 +11,8 @@ sides of a ratio are measured seconds apart; the variants run in an order rotate
             async_save: the service as the trainer runs it: save() blocking, save + wait until
             committed, and what save() spent its blocking time in (probed calls);
             orbax_save: plain Orbax, ocp.CheckpointManager(dir) (async by default), StandardSave:
-            save() blocking, save + wait
+            save() blocking, save + wait; orbax_two_items_save: the same with the service's
+            two items (the state and a JSON manifest without fingerprints)
   passes    fingerprint_pass: the pass as save() runs it (tree_fingerprints, then to_ints), and
             state_read: one read of the state (a jitted sum over every leaf) as its reference
   restores  service.restore onto the saved layout, data=8 and model=8, and the time its
@@ -62,6 +63,12 @@ RATIOS = {
                                       ("async_save", "blocking"), ("sync_save", "total"), 0.05),
     "service_save_over_plain_orbax": ("service save + wait / plain Orbax save + wait",
                                       ("async_save", "total"), ("orbax_save", "total"), 1.10),
+    "blocking_over_plain_orbax_two_items_blocking": (
+        "async save() blocking / plain Orbax blocking, saving the same two items", ("async_save", "blocking"),
+        ("orbax_two_items_save", "blocking"), None),
+    "service_save_over_plain_orbax_two_items": (
+        "service save + wait / plain Orbax save + wait, saving the same two items", ("async_save", "total"),
+        ("orbax_two_items_save", "total"), None),
     "fingerprint_over_state_read": ("fingerprint pass / one read of the state",
                                     ("fingerprint_pass", "secs"), ("state_read", "secs"), None),
     "restore_data8_over_same": ("restore onto data=8 / onto the saved layout",

@@ -150,7 +150,9 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(tmp_path, uninterru
         logging.info("attempt %d killed after %d training lines; committed %s; mid-save: %s",
                      number, attempt.training(), committed_steps(workdir), sorted(still_writing))
         for name in still_writing:
-            assert int(name.split(".")[0]) not in committed_steps(workdir), "a half-written step must never be listed"
+            step = int(name.split(".")[0])
+            assert step > max(before, default=0), f"{name} is not a save this attempt made after resuming"
+            assert step not in committed_steps(workdir), "a half-written step must never be listed"
         assert set(before) <= set(committed_steps(workdir))
     else:
         result = helpers.run_module("trainer.train", f"--workdir={workdir}", *TRAIN_FLAGS)
