@@ -107,36 +107,41 @@ def reset_probes() -> None:
         probe.reset()
 
 
-def save(kind: str, directory: str, state) -> dict[str, float]:
-    """kind: 'sync' or 'async' (the service), 'orbax' (plain ocp.CheckpointManager, async by default), or
-    'orbax_two_items': plain Orbax saving the service's two items (the state, and a manifest without
-    fingerprints as JSON), which is what the service's layout costs before any of its own work."""
+def open_save(kind: str, directory: str, state):
+    """(manager, start) of one save. kind: 'sync' or 'async' (the service), 'orbax' (plain
+    ocp.CheckpointManager, async by default), or 'orbax_two_items': plain Orbax saving the service's
+    two items (the state, and a manifest without fingerprints as JSON): what the service's layout
+    costs before any of its own work."""
+    if kind in ("sync", "async"):
+        manager = CheckpointService(directory, CheckpointOptions(async_save=kind == "async", max_to_keep=2), run=RUN)
+        return manager, lambda: manager.save(1, state, losses={}, reason="interval")
     if kind == "orbax":
         manager = ocp.CheckpointManager(directory)
-        start = lambda: manager.save(1, args=ocp.args.StandardSave(state))
-    elif kind == "orbax_two_items":
-        manager = ocp.CheckpointManager(directory, item_names=(service_lib.STATE_ITEM, manifest_lib.ITEM_NAME))
-        leaves = manifest_lib.leaf_table(state)
-        manifest = manifest_lib.build(step=1, leaves=leaves, fingerprints=dict.fromkeys(leaves, 0), losses={},
-                                      config=RUN.config, fixed_hash=RUN.fixed_hash, fixed_fields=RUN.fixed_fields,
-                                      mesh=RUN.mesh, reason="interval")
-        start = lambda: manager.save(1, args=ocp.args.Composite(**{
-            service_lib.STATE_ITEM: ocp.args.StandardSave(state), manifest_lib.ITEM_NAME: ocp.args.JsonSave(manifest)}))
-    else:
-        manager = CheckpointService(directory, CheckpointOptions(async_save=kind == "async", max_to_keep=2), run=RUN)
-        start = lambda: manager.save(1, state, losses={}, reason="interval")
+        return manager, lambda: manager.save(1, args=ocp.args.StandardSave(state))
+    manager = ocp.CheckpointManager(directory, item_names=(service_lib.STATE_ITEM, manifest_lib.ITEM_NAME))
+    leaves = manifest_lib.leaf_table(state)
+    manifest = manifest_lib.build(step=1, leaves=leaves, fingerprints=dict.fromkeys(leaves, 0), losses={},
+                                  config=RUN.config, fixed_hash=RUN.fixed_hash, fixed_fields=RUN.fixed_fields,
+                                  mesh=RUN.mesh, reason="interval")
+    return manager, lambda: manager.save(1, args=ocp.args.Composite(**{
+        service_lib.STATE_ITEM: ocp.args.StandardSave(state), manifest_lib.ITEM_NAME: ocp.args.JsonSave(manifest)}))
+
+
+def save(kind: str, directory: str, state) -> dict[str, float]:
+    """One save (see open_save): save() blocking, save + wait, and for the service what save() blocked in."""
+    manager, start = open_save(kind, directory, state)
     reset_probes()
     started = time.perf_counter()
     start()
     blocking = time.perf_counter() - started
-    service = kind in ("sync", "async")
-    parts = {f"part:{name}": PROBES[name].seconds for name in BLOCKING_PARTS} if service else {}
-    if service:
+    is_service = kind in ("sync", "async")
+    parts = {f"part:{name}": PROBES[name].seconds for name in BLOCKING_PARTS} if is_service else {}
+    if is_service:
         require(*BLOCKING_PARTS, where=f"{kind} CheckpointService.save()")
     manager.wait_until_finished()
     total = time.perf_counter() - started
     manager.close()
-    if service:
+    if is_service:
         require("fingerprint_readback", where=f"{kind} CheckpointService.save()'s background write")
     return {"blocking": blocking, "total": total, **parts}
 
