@@ -36,10 +36,10 @@ import statistics
 import sys
 import tempfile
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from benchmarks import common
-from launch import exit_codes
+from runtime import entry, exit_codes
 
 _STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
                                 lower_bound=0.125)
@@ -180,4 +180,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

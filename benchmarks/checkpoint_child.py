@@ -21,15 +21,16 @@ import time
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from absl import app, flags
+from absl import flags
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from benchmarks import common
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
 from checkpointing import service as service_lib
+from checkpointing import workdir as workdir_lib
 from checkpointing.service import CheckpointOptions, CheckpointService, RunMetadata
-from launch import exit_codes
+from runtime import entry, exit_codes
 
 _VARIANT = flags.DEFINE_enum("variant", None, ["saves", "passes", "restores", "rss_service_save", "rss_orbax_save",
                                                 "rss_restore"], "What to measure (see VARIANTS).", required=True)
@@ -118,13 +119,13 @@ def open_save(kind: str, directory: str, state):
     if kind == "orbax":
         manager = ocp.CheckpointManager(directory)
         return manager, lambda: manager.save(1, args=ocp.args.StandardSave(state))
-    manager = ocp.CheckpointManager(directory, item_names=(service_lib.STATE_ITEM, manifest_lib.ITEM_NAME))
+    manager = ocp.CheckpointManager(directory, item_names=(workdir_lib.STATE_ITEM, workdir_lib.MANIFEST_ITEM))
     leaves = manifest_lib.leaf_table(state)
     manifest = manifest_lib.build(step=1, leaves=leaves, fingerprints=dict.fromkeys(leaves, 0), losses={},
                                   config=RUN.config, fixed_hash=RUN.fixed_hash, fixed_fields=RUN.fixed_fields,
                                   mesh=RUN.mesh, reason="interval")
     return manager, lambda: manager.save(1, args=ocp.args.Composite(**{
-        service_lib.STATE_ITEM: ocp.args.StandardSave(state), manifest_lib.ITEM_NAME: ocp.args.JsonSave(manifest)}))
+        workdir_lib.STATE_ITEM: ocp.args.StandardSave(state), workdir_lib.MANIFEST_ITEM: ocp.args.JsonSave(manifest)}))
 
 
 def save(kind: str, directory: str, state) -> dict[str, float]:
@@ -250,4 +251,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

@@ -43,6 +43,7 @@ import psutil
 from absl import app, flags, logging
 
 from benchmarks.common import ROOT
+from checkpointing import workdir as workdir_lib
 from trainer.metrics import PHASES, parse_phases
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
@@ -160,7 +161,7 @@ def first_step_wall_secs(launched_at: float, log: str) -> float | None:
 
 
 def count_saves(workdir: str) -> int:
-    directory = os.path.join(workdir, "checkpoints")
+    directory = str(workdir_lib.checkpoints_dir(workdir))
     return sum(name.isdigit() for name in os.listdir(directory)) if os.path.isdir(directory) else 0
 
 

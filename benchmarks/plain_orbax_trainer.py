@@ -10,20 +10,20 @@ benchmark's `ideal` run). It logs the same `phase <name> <secs>s` lines as the t
 Exit 0 done, 75 preempted (the preemption step committed).
 """
 
-from launch import distributed  # first, and without JAX (see distributed.hold_sigterm)
+from runtime import entry, distributed  # first, and without JAX (see distributed.hold_sigterm)
 
 if __name__ == "__main__":
     distributed.hold_sigterm()
 
-import os  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+from absl import flags, logging  # noqa: E402
 
-from launch import exit_codes, logs  # noqa: E402
+from checkpointing import workdir as workdir_lib  # noqa: E402
+from runtime import exit_codes, logs  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
 from trainer.config import validate  # noqa: E402
@@ -35,7 +35,7 @@ PLAIN_SAVE = flags.DEFINE_boolean("plain_save", True, "Save with a plain Checkpo
 
 class _Manager(ocp.CheckpointManager):
     """Asks the runtime about preemption once per step: Orbax asks again inside save(), and a second
-    sync-point call for one step can answer differently on one host (see launch/preemption.py)."""
+    sync-point call for one step can answer differently on one host (see runtime/preemption.py)."""
 
     _decision: tuple[int, bool] = (-1, False)
 
@@ -73,7 +73,7 @@ def train(config, phases: dict[str, float]) -> None:
     program = build_program(config, build_mesh(config))
     manager = None
     if PLAIN_SAVE.value:
-        manager = _Manager(os.path.join(config.workdir, "checkpoints"), options=ocp.CheckpointManagerOptions(
+        manager = _Manager(workdir_lib.checkpoints_dir(config.workdir), options=ocp.CheckpointManagerOptions(
             max_to_keep=config.max_to_keep, enable_async_checkpointing=True))
     latest = manager.latest_step() if manager is not None else None
     begin = time.perf_counter()
@@ -119,4 +119,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

@@ -37,8 +37,7 @@ import time
 
 from absl import app, flags, logging
 
-from checkpointing.service import step_path  # the workdir's layout as the service and verdicts define it
-from checkpointing.verdicts import verdict_path
+from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout, named once
 
 _STEPS = flags.DEFINE_integer("steps", 40, "Training steps per run.")
 _SAVE_EVERY = flags.DEFINE_integer("save_every_steps", 8, "Checkpoint interval (steps).")
@@ -103,7 +102,7 @@ def run_once(run_dir: str, replay: str | None) -> dict:
     verify = [sys.executable, "-m", "trainer.verify", f"--workdir={ckpt}", "--mesh=data=2", "--follow",
               "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={replay}"]
     commits, verdicts, complete, procs = {}, {}, {}, {}
-    dirs = str(step_path(ckpt, 0).parent), str(verdict_path(ckpt, 0).parent)  # '<step>', '<step>.json' inside
+    dirs = str(step_dir(ckpt, 0).parent), str(verdict_file(ckpt, 0).parent)  # '<step>', '<step>.json' inside
     try:  # the verifier first, so that it is polling by the first commit
         for name, command, devices in ([("verify", verify, 2)] if replay is not None else []) + [("train", train, 8)]:
             with open(os.path.join(run_dir, f"{name}.log"), "w") as log:

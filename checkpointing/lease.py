@@ -35,10 +35,10 @@ import time
 
 from absl import logging
 
+from checkpointing import workdir as workdir_lib
 from checkpointing.errors import LeaseLostError, StorageUnavailableError, WorkdirLeasedError, one_line_cause
 from checkpointing.lease_store import Conflict, open_store, storage_errors
 
-LEASE_DIR = "lease"
 JOB_ID_VARS = ("SLURM_JOB_ID", "JOB_ID")  # the first one set names this process's job
 
 
@@ -101,8 +101,7 @@ def _utc(seconds: float) -> str:
 
 
 def _store(workdir: str):
-    return open_store(workdir.rstrip("/") + "/" + LEASE_DIR if workdir.startswith("gs://")
-                      else os.path.join(workdir, LEASE_DIR))
+    return open_store(workdir_lib.lease_dir(workdir))
 
 
 def _read(store, generation: int):
@@ -277,7 +276,7 @@ def acquire(workdir: str, lease_secs: float, *, identity: Identity | None = None
         return _acquire(workdir, lease_secs, identity or Identity.of_this_process(), clock, sleep)
     except storage_errors() as err:
         raise StorageUnavailableError(
-            f"cannot take the lease in {workdir}/{LEASE_DIR}: {one_line_cause(err)}") from err
+            f"cannot take the lease in {workdir_lib.lease_dir(workdir)}: {one_line_cause(err)}") from err
 
 
 def _acquire(workdir: str, lease_secs: float, identity: Identity, clock, sleep) -> Lease:

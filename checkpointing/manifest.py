@@ -35,7 +35,6 @@ from checkpointing.errors import ManifestError
 
 MANIFEST_FORMAT = 2
 _READABLE_FORMATS = (1, 2)
-ITEM_NAME = "manifest"  # Orbax item name inside a step
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 
 # field -> (type, check of the value); every field is required.

@@ -2,8 +2,9 @@
 
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
-from checkpointing.paths import fresh_path
-from checkpointing.service import committed_steps, read_manifest, step_path
+from checkpointing import workdir as workdir_lib
+from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import fresh_path
 
 
 def directory_bytes(path) -> int:
@@ -29,7 +30,7 @@ def table_rows(workdir: str) -> list[dict]:
         losses = list(manifest_lib.losses(manifest).values())
         rows.append({
             "step": step,
-            "bytes": directory_bytes(fresh_path(str(step_path(workdir, step)))),
+            "bytes": directory_bytes(fresh_path(str(workdir_lib.step_dir(workdir, step)))),
             "mesh": ",".join(f"{axis}={size}" for axis, size in manifest["mesh"].items()),
             "processes": manifest["process_count"],
             "saved_at": manifest["saved_at"],

@@ -21,23 +21,17 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from absl import logging
-from etils import epath
 from orbax.checkpoint import checkpoint_managers
 
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
-from checkpointing import verdicts
-from checkpointing.paths import fresh_path
+from checkpointing import workdir as workdir_lib
+from checkpointing.workdir import fresh_path
 from checkpointing.errors import (AsyncSaveError, ConfigMismatchError, CorruptCheckpointError,
                                   FingerprintMismatchError, NoSuchCheckpointError, StepAlreadyCommittedError,
                                   TreeMismatchError)
 from checkpointing.errors import one_line_cause
 
-STATE_ITEM = "state"
-# Orbax owns <workdir>/checkpoints alone: on gs:// it treats every directory without a commit
-# marker in its root as a killed save and deletes it, which would take verdicts with it.
-CHECKPOINTS_DIR = "checkpoints"
-SUPERSEDED_DIR = "superseded"  # steps set aside by a resume from an older step; never listed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +76,11 @@ class _ManifestHandler(ocp.handlers.JsonCheckpointHandler):
     the same step, so the step commits only once it is written.
     """
 
+    def __init__(self, filename: str | None = None, **kwargs):
+        super().__init__(filename or workdir_lib.MANIFEST_FILE, **kwargs)
+
+    # Private in Orbax 0.12 (tests/test_checkpointing.py pins its signature): the one hook that runs
+    # inside the background write, where the fingerprints may be awaited without blocking save().
     async def _save_fn(self, x, directory):
         if callable(x):
             x = await asyncio.to_thread(x)  # waits for the fingerprints off the event loop
@@ -124,19 +123,16 @@ class _Manager(ocp.CheckpointManager):
 
 def committed_steps(directory: str) -> list[int]:
     """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed."""
-    path = fresh_path(directory) / CHECKPOINTS_DIR
+    fresh_path(directory)
+    path = workdir_lib.checkpoints_dir(directory)
     if not path.exists():
         return []
     return sorted(ocp.path.step.checkpoint_steps(path))
 
 
-def step_path(directory: str, step: int) -> epath.Path:
-    return epath.Path(directory) / CHECKPOINTS_DIR / str(step)
-
-
 def read_manifest(directory: str, step: int) -> dict:
     """The schema-checked manifest of `step` (the caller knows the step is committed)."""
-    path = step_path(directory, step) / manifest_lib.ITEM_NAME / "metadata"
+    path = workdir_lib.manifest_file(directory, step)
     try:
         text = path.read_text()
     except (OSError, FileNotFoundError) as err:
@@ -169,8 +165,8 @@ class CheckpointService:
             read_only=read_only,
             create=not read_only,
         )
-        self._manager = _Manager(epath.Path(self.directory) / CHECKPOINTS_DIR, options=manager_options,
-                                 item_names=(STATE_ITEM, manifest_lib.ITEM_NAME),
+        self._manager = _Manager(workdir_lib.checkpoints_dir(self.directory), options=manager_options,
+                                 item_names=(workdir_lib.STATE_ITEM, workdir_lib.MANIFEST_ITEM),
                                  preemption_decision=preemption_decision)
 
     # --- listing -------------------------------------------------------------------------------
@@ -203,7 +199,8 @@ class CheckpointService:
         # before writing (its checkpointer is always called with force=True): a step another writer
         # committed since this manager listed the directory would be rewritten. One stat in the
         # usual case; on gs:// an uncommitted leftover of a killed save may still be replaced.
-        path = fresh_path(self.directory) / CHECKPOINTS_DIR / str(step)
+        fresh_path(self.directory)
+        path = workdir_lib.step_dir(self.directory, step)
         if path.exists() and step in self.committed_steps():
             raise StepAlreadyCommittedError(
                 f"step {step} is already committed at {path}; a save never overwrites a committed step "
@@ -226,8 +223,8 @@ class CheckpointService:
         started = time.perf_counter()
         try:
             self._manager.save(step, args=ocp.args.Composite(**{
-                STATE_ITEM: ocp.args.StandardSave(state),
-                manifest_lib.ITEM_NAME: _ManifestSave(build_manifest),
+                workdir_lib.STATE_ITEM: ocp.args.StandardSave(state),
+                workdir_lib.MANIFEST_ITEM: _ManifestSave(build_manifest),
             }), force=True)  # the caller's policy decided; Orbax's own should_save must not ask again
         except Exception as err:
             fingerprints.cancel()  # if Orbax's background write had started, its manifest fails
@@ -269,7 +266,7 @@ class CheckpointService:
                 cause = err
         reason = one_line_cause(cause) if cause is not None else "it never committed"
         raise AsyncSaveError(
-            f"background save of step {step} failed: {reason} (writing {step_path(self.directory, step)}); "
+            f"background save of step {step} failed: {reason} (writing {workdir_lib.step_dir(self.directory, step)}); "
             f"the latest committed step is still {latest}") from cause
 
     def wait_until_finished(self) -> None:
@@ -292,12 +289,12 @@ class CheckpointService:
         """
         steps = sorted(steps)
         if steps and jax.process_index() == 0:
-            superseded = epath.Path(self.directory) / SUPERSEDED_DIR
+            superseded = workdir_lib.superseded_dir(self.directory)
             superseded.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
             for step in steps:
-                step_path(self.directory, step).rename(superseded / f"{step}-{stamp}")
-                verdict = verdicts.verdict_path(self.directory, step)
+                workdir_lib.step_dir(self.directory, step).rename(superseded / f"{step}-{stamp}")
+                verdict = workdir_lib.verdict_file(self.directory, step)
                 if verdict.exists():
                     verdict.rename(superseded / f"{step}-{stamp}.verdict.json")
         if steps and jax.process_count() > 1:
@@ -317,13 +314,13 @@ class CheckpointService:
         self.check_compatible(step, manifest, abstract_state)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**{
-                STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))
+                workdir_lib.STATE_ITEM: ocp.args.StandardRestore(abstract_state)}))
         except Exception as err:
             # TensorStore's message carries a 60-line spec: the line names the cause, the chain keeps the rest.
             raise CorruptCheckpointError(
-                f"step {step}: reading its arrays from {step_path(self.directory, step)} failed: "
+                f"step {step}: reading its arrays from {workdir_lib.step_dir(self.directory, step)} failed: "
                 f"{one_line_cause(err)}") from err
-        state = restored[STATE_ITEM]
+        state = restored[workdir_lib.STATE_ITEM]
         check_fingerprints(step, manifest, state)
         return Restored(state=state, manifest=manifest)
 

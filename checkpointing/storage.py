@@ -14,7 +14,7 @@ import threading
 from absl import flags
 
 from checkpointing.errors import StorageUnavailableError, one_line_cause
-from checkpointing.paths import fresh_path
+from checkpointing.workdir import fresh_path
 
 STORAGE_TIMEOUT_SECS = flags.DEFINE_float(
     "storage_timeout_secs", 30.0, "Longest the first access to the workdir's storage may take (an unreachable "

@@ -34,12 +34,11 @@ import json
 import os
 import uuid
 
-from etils import epath
 
 from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
-from checkpointing.paths import fresh_path
+from checkpointing import workdir as workdir_lib
+from checkpointing.workdir import fresh_path
 
-VERDICTS_DIR = "verdicts"
 LEVELS = ("intact", "replayed", "reproduced")
 STATUSES = ("pass", "fail", "gone")
 
@@ -48,10 +47,6 @@ _REQUIRED = {
     "compared_losses": int, "checkpoint_mesh": dict, "verifier_mesh": dict, "durations_secs": dict,
     "verified_at": str,
 }
-
-
-def verdict_path(workdir: str, step: int) -> epath.Path:
-    return epath.Path(workdir) / VERDICTS_DIR / f"{step}.json"
 
 
 def make(*, step: int, level: str, status: str, detail: str, checkpoint_mesh: dict, verifier_mesh: dict,
@@ -82,7 +77,7 @@ def validate(verdict, where: str = "verdict") -> dict:
 
 def write(workdir: str, verdict: dict) -> None:
     """Writes the verdict so that readers see the old file or the new one, never a part."""
-    path = verdict_path(workdir, verdict["step"])
+    path = workdir_lib.verdict_file(workdir, verdict["step"])
     text = json.dumps(verdict, indent=1, sort_keys=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
@@ -100,7 +95,7 @@ def write(workdir: str, verdict: dict) -> None:
 
 
 def read(workdir: str, step: int) -> dict | None:
-    path = verdict_path(workdir, step)
+    path = workdir_lib.verdict_file(workdir, step)
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -121,7 +116,8 @@ def read_steps(workdir: str, steps) -> dict[int, dict]:
 
 
 def read_all(workdir: str) -> dict[int, dict]:
-    directory = fresh_path(workdir) / VERDICTS_DIR
+    fresh_path(workdir)
+    directory = workdir_lib.verdicts_dir(workdir)
     if not directory.exists():
         return {}
     steps = sorted(int(p.name[:-5]) for p in directory.iterdir() if p.name.endswith(".json") and p.name[:-5].isdigit())

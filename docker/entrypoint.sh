@@ -2,7 +2,7 @@
 # The image's entry point: the first argument names what to run, the rest are its flags.
 #   train    python -m trainer.train         (one process per host; exit 75 = preempted, requeue)
 #   verify   python -m trainer.verify        (the verifier, e.g. --mesh=data=4 --follow)
-#   inspect  python -m checkpointing.inspect (committed steps of a workdir)
+#   inspect  python -m trainer.inspect (committed steps of a workdir)
 #   local    python -m launch.local          (a local pod on fake CPU devices: a smoke test)
 #   help     this text
 # Any other first argument that is a program on PATH runs as is (e.g. bash), to debug the image.
@@ -18,7 +18,7 @@ command_word="${1:-}"
 case "$command_word" in
   train) module=trainer.train ;;
   verify) module=trainer.verify ;;
-  inspect) module=checkpointing.inspect ;;
+  inspect) module=trainer.inspect ;;
   local) module=launch.local ;;
   help | -h | --help) usage; exit 0 ;;
   "") echo "error: give a command: train, verify, inspect, local or help" >&2; exit 2 ;;

@@ -10,7 +10,7 @@
 4. The verifier, its own process on data=2, proves every checkpoint.
 It prints one row per checkpoint (step, how it was committed, the verdict) and a last line
 saying whether the resumed loss list equals the uninterrupted run's, then draws the run into
-<workdir>/run.png (as `checkpointing.inspect --plot` does) and prints its path. Each pod's output
+<workdir>/run.png (as `trainer.inspect --plot` does) and prints its path. Each pod's output
 is in <workdir>/logs/. Exit 0 if everything held, 1 otherwise.
 """
 
@@ -20,7 +20,7 @@ import sys
 import time
 
 import psutil
-from absl import app, flags, logging
+from absl import flags, logging
 
 from checkpointing import compare
 from checkpointing import manifest as manifest_lib
@@ -28,7 +28,7 @@ from checkpointing import plot
 from checkpointing import verdicts
 from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps, read_manifest
-from launch import exit_codes, logs
+from runtime import entry, exit_codes, logs
 from trainer.step import CROSS_MESH_LOSS_RTOL
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Where the demo's runs go (created).")
@@ -143,4 +143,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

@@ -14,9 +14,9 @@ the runtime then aborts the others); 2 if any exited 2; else 1 (rules: launch/po
 
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from launch import exit_codes, logs
+from runtime import entry, logs
 from launch.pod import run_pod
 
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", 2, "Processes in the pod.", lower_bound=1)
@@ -33,4 +33,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main, takes_arguments=True)

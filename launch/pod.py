@@ -1,6 +1,6 @@
 """Processes of a local pod: start them, relay their output, bound their exits, decide the pod's code.
 
-The pod's code is what a scheduler acts on (launch/exit_codes.py):
+The pod's code is what a scheduler acts on (runtime/exit_codes.py):
   0   every process succeeded
   75  requeue: every process exited 0 or 75 (a preemption, saved); or a process the launcher had
       sent SIGTERM died of it (preempted before it could save: nothing is lost); or a process was
@@ -26,7 +26,7 @@ import time
 
 from absl import logging
 
-from launch import exit_codes
+from runtime import exit_codes
 
 
 def free_port() -> int:

@@ -294,13 +294,13 @@ def test_save_policy_reasons_with_an_injected_clock():
 
 def test_inspect_lists_committed_steps_and_prints_losses(workdir):
     trained_run(workdir, steps=30)
-    table = helpers.run_module("checkpointing.inspect", f"--workdir={workdir}")
+    table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
     assert table.returncode == 0, table.stderr
     rows = table.stdout.strip().splitlines()
     assert rows[0].split()[:2] == ["step", "bytes"]
     assert [row.split()[0] for row in rows[1:]] == ["10", "20", "30"]
     assert "data=4,model=2" in rows[1]
-    losses = helpers.run_module("checkpointing.inspect", f"--workdir={workdir}", "--losses")
+    losses = helpers.run_module("trainer.inspect", f"--workdir={workdir}", "--losses")
     recorded = json.loads(losses.stdout)
     assert list(recorded) == [str(s) for s in range(30)]
     assert {int(s): v for s, v in recorded.items()} == loop.read_metrics(workdir)

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import psutil
 import pytest
 
-from checkpointing import verdicts
+from checkpointing import workdir as workdir_lib
 from checkpointing.service import committed_steps
-from launch import exit_codes
+from runtime import exit_codes
 from launch.pod import free_port
 from tests import helpers
 from trainer import loop
@@ -104,22 +104,22 @@ def test_disk_full_fails_the_save_in_one_line_naming_the_step_and_a_resume_works
 def test_disk_full_verdict_write_is_one_line_and_leaves_no_tmp_file(small_disk):
     workdir = os.path.join(small_disk, "run")
     before = trained(workdir, steps=10)
-    os.makedirs(os.path.join(workdir, verdicts.VERDICTS_DIR), exist_ok=True)
+    os.makedirs(os.path.join(workdir, workdir_lib.VERDICTS_DIR), exist_ok=True)
     fill(small_disk)
 
     result = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
                                 "--replay_steps=0", device_count=2)
     line = helpers.fault_line(result, exit_codes.FAILURE)
-    path = verdicts.verdict_path(workdir, 10)
+    path = workdir_lib.verdict_file(workdir, 10)
     assert line == f"error: verdict of step 10: cannot write {path}: no space left on device", line
-    assert os.listdir(os.path.join(workdir, verdicts.VERDICTS_DIR)) == [], "no tmp file and no partial verdict"
+    assert os.listdir(os.path.join(workdir, workdir_lib.VERDICTS_DIR)) == [], "no tmp file and no partial verdict"
     helpers.assert_committed_intact(before, workdir)
 
 
 def test_disk_full_metrics_append_warns_and_training_goes_on(small_disk, caplog):
     workdir = os.path.join(small_disk, "run")
     os.makedirs(workdir)
-    metrics = os.path.join(workdir, loop.METRICS_FILE)
+    metrics = os.path.join(workdir, workdir_lib.METRICS_FILE)
     # Just under one 4 KiB page of records: the next append fits only partly, then hits ENOSPC.
     kept = ""
     for step in range(100):
@@ -145,7 +145,7 @@ def test_disk_full_metrics_append_warns_and_training_goes_on(small_disk, caplog)
 # --- an unreachable gs:// endpoint ------------------------------------------------------------------
 
 @pytest.mark.parametrize("module, flags", [
-    ("checkpointing.inspect", []),
+    ("trainer.inspect", []),
     ("trainer.verify", ["--mesh=data=2", "--once"]),
     ("trainer.train", ["--mesh=data=2", "--batch_size=32", "--steps=10"]),
 ])
@@ -164,7 +164,7 @@ def test_an_unreachable_gcs_endpoint_is_one_line_naming_it_after_the_storage_tim
 
 # --- a missing workdir ------------------------------------------------------------------------------
 
-READERS = {"inspect": ("checkpointing.inspect", []), "verify": ("trainer.verify", ["--mesh=data=2", "--once"])}
+READERS = {"inspect": ("trainer.inspect", []), "verify": ("trainer.verify", ["--mesh=data=2", "--once"])}
 
 
 @pytest.mark.parametrize("reader", sorted(READERS))

@@ -86,7 +86,7 @@ def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 40" in resumed.stderr
     assert committed_steps(workdir) == [40, 50]
-    table = run("checkpointing.inspect", f"--workdir={workdir}", gcs_env=gcs_env)
+    table = run("trainer.inspect", f"--workdir={workdir}", gcs_env=gcs_env)
     assert table.returncode == 0, table.stderr[-2000:]
     assert [row.split()[0] for row in table.stdout.strip().splitlines()[1:]] == ["40", "50"]
     assert "reproduced pass" in table.stdout.splitlines()[1]

@@ -17,7 +17,8 @@ import pytest
 
 from checkpointing import lease as lease_lib
 from checkpointing.errors import StepAlreadyCommittedError, WorkdirLeasedError
-from checkpointing.service import committed_steps, step_path
+from checkpointing.service import committed_steps
+from checkpointing.workdir import step_dir as step_path
 from tests import helpers
 from tests.test_gcs import gcs_env, gs_workdir  # noqa: F401  (the emulator fixture)
 from trainer import checkpoints, loop
@@ -254,7 +255,7 @@ def test_the_verifier_and_inspect_neither_take_nor_change_the_lease(workdir):
     loop.train(helpers.small_config(workdir, steps=10, save_every_steps=5))
     write_record(workdir, 2, host="writer-node")  # a live writer holds the workdir
     before = lease_files(workdir)
-    table = helpers.run_module("checkpointing.inspect", f"--workdir={workdir}")
+    table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
     verify = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert table.returncode == 0, table.stderr[-2000:]
     assert verify.returncode == 0, verify.stderr[-3000:]
@@ -276,7 +277,7 @@ def test_a_pod_is_refused_as_a_whole(workdir):
 
 
 @pytest.mark.slow
-def test_the_lease_on_gcs_refuses_a_second_holder_and_only_one_contender_wins(gcs_env):
+def test_the_lease_on_gcs_refuses_a_second_holder_and_only_one_contender_wins(gcs_env):  # noqa: F811
     workdir = gs_workdir("lease")
     first = lease_lib.acquire(workdir, 60, identity=lease_lib.Identity("node-a", 1, None))
     try:

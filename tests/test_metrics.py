@@ -1,6 +1,5 @@
 """Metrics people can look at: TensorBoard events, the progress line, the picture of a run."""
 
-import json
 import logging
 import os
 import struct
@@ -8,6 +7,7 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+from checkpointing import workdir as workdir_lib
 from checkpointing import plot, verdicts
 from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps
@@ -59,7 +59,7 @@ def test_progress_line_names_step_total_rate_eta_committed_and_verified():
 
 
 def test_tensorboard_events_hold_the_losses_of_metrics_jsonl(resumed_run):
-    scalars = read_scalars(os.path.join(resumed_run, metrics.TENSORBOARD_DIR))
+    scalars = read_scalars(os.path.join(resumed_run, workdir_lib.TENSORBOARD_DIR))
     assert scalars["loss"] == pytest.approx(loop.read_metrics(resumed_run), rel=1e-6)
     assert sorted(scalars["loss"]) == list(range(30))
     assert set(scalars["steps_per_sec"]) == {5, 10, 15, 20, 25, 30}
@@ -90,7 +90,7 @@ def test_tensorboard_events_reach_a_gs_workdir(gcs_env, tmp_path):  # noqa: F811
     writer.close()  # uploads the staged events file whole
     local = tmp_path / "events"
     local.mkdir()
-    for remote in (epath.Path(workdir) / metrics.TENSORBOARD_DIR).iterdir():
+    for remote in (epath.Path(workdir) / workdir_lib.TENSORBOARD_DIR).iterdir():
         (local / remote.name).write_bytes(remote.read_bytes())
     assert writer.enabled and read_scalars(str(local))["loss"] == {0: 1.5, 1: 0.5, 2: -0.5}
 
@@ -98,7 +98,7 @@ def test_tensorboard_events_reach_a_gs_workdir(gcs_env, tmp_path):  # noqa: F811
 def test_a_failing_tensorboard_write_warns_once_and_training_goes_on(tmp_path, caplog):
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / metrics.TENSORBOARD_DIR).write_text("a file where the directory should be")
+    (workdir / workdir_lib.TENSORBOARD_DIR).write_text("a file where the directory should be")
     result = loop.train(helpers.small_config(str(workdir), steps=15))
     assert sorted(result.losses) == list(range(15)) and committed_steps(str(workdir)) == [15]
     warnings = [r.getMessage() for r in caplog.records if "TensorBoard events" in r.getMessage()]
@@ -122,7 +122,7 @@ def test_plot_series_are_the_manifests_losses_with_checkpoints_and_resumes(resum
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_inspect_plot_writes_a_valid_image(resumed_run, tmp_path, suffix):
     out = str(tmp_path / f"run{suffix}")
-    result = helpers.run_module("checkpointing.inspect", f"--workdir={resumed_run}", f"--plot={out}",
+    result = helpers.run_module("trainer.inspect", f"--workdir={resumed_run}", f"--plot={out}",
                                 f"--reference={resumed_run}")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == out
@@ -143,7 +143,7 @@ def test_inspect_plot_bad_input_is_one_line_and_writes_nothing(resumed_run, tmp_
                             ([f"--plot={tmp_path}/missing/run.png"], "does not exist"),
                             ([f"--plot={tmp_path}/run.png", f"--reference={tmp_path}/nope"], "does not exist"),
                             ([f"--reference={resumed_run}"], "--reference needs --plot")]:
-        result = helpers.run_module("checkpointing.inspect", f"--workdir={resumed_run}", *flags)
+        result = helpers.run_module("trainer.inspect", f"--workdir={resumed_run}", *flags)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and expected in result.stderr, \
             (flags, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ import pytest
 
 from checkpointing.report import recorded_losses
 from checkpointing.service import committed_steps
-from launch import exit_codes
+from runtime import exit_codes
 from launch.pod import pod_exit_code
 from tests import helpers
 from trainer.step import CROSS_MESH_LOSS_RTOL

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import yaml
 
-from launch import exit_codes
+from runtime import exit_codes
 from tests import helpers
 
 WORKDIR = "gs://ckpt-bucket/runs/run1"
@@ -103,7 +103,7 @@ def test_tpu_vm_script_puts_each_flag_in_its_command():
     words = remote(train)
     start = words.index("trainer.train")
     assert words[start - 1:start + 6] == ["-m", "trainer.train", f"--workdir={WORKDIR}", *TRAINER_ARGS]
-    assert "TPU_WORKER_HOSTNAMES" in flag(train, "command")  # what launch/distributed.py reads
+    assert "TPU_WORKER_HOSTNAMES" in flag(train, "command")  # what runtime/distributed.py reads
     assert "jax.distributed" not in script and "--coordinator_address" not in script
 
     [vm] = find(commands, "compute", "instances", "create")

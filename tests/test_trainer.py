@@ -65,8 +65,8 @@ def test_eval_shape_of_the_step_returns_the_state_it_was_given(workdir, model):
     batch = jax.eval_shape(program.batch_fn, 0)
     new_state, loss = jax.eval_shape(program.step_fn, program.abstract_state, batch)
     assert jax.tree.structure(new_state) == jax.tree.structure(program.abstract_state)
-    assert [(l.shape, l.dtype) for l in jax.tree.leaves(new_state)] == [
-        (l.shape, l.dtype) for l in jax.tree.leaves(program.abstract_state)]
+    assert [(leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(new_state)] == [
+        (leaf.shape, leaf.dtype) for leaf in jax.tree.leaves(program.abstract_state)]
     assert loss.shape == () and loss.dtype == jnp.float32
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from checkpointing import workdir as workdir_lib
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing.service import committed_steps, read_manifest
@@ -62,7 +63,7 @@ def snapshot(workdir):
     """(path, size, mtime) of every file of every checkpoint step: what the verifier must not touch."""
     files = []
     for root, _, names in os.walk(workdir):
-        if os.path.relpath(root, workdir).split(os.sep)[0] == verdicts.VERDICTS_DIR:
+        if os.path.relpath(root, workdir).split(os.sep)[0] == workdir_lib.VERDICTS_DIR:
             continue
         files += [(os.path.join(root, n), os.stat(os.path.join(root, n)).st_size,
                    os.stat(os.path.join(root, n)).st_mtime_ns) for n in names]
@@ -93,7 +94,7 @@ def test_follow_verifier_on_another_mesh_proves_every_step_while_training_runs(w
 
 def test_same_mesh_verification_is_bit_exact_and_read_only(workdir):
     config = trained(workdir)
-    os.makedirs(os.path.join(workdir, verdicts.VERDICTS_DIR))  # where an earlier verifier run wrote
+    os.makedirs(os.path.join(workdir, workdir_lib.VERDICTS_DIR))  # where an earlier verifier run wrote
     before = snapshot(workdir), directory_times(workdir)
     found = verify_in_process(workdir, mesh=config.mesh)
     assert (snapshot(workdir), directory_times(workdir)) == before, \
@@ -107,7 +108,7 @@ def test_same_mesh_verification_is_bit_exact_and_read_only(workdir):
 def directory_times(workdir):
     """mtime of every directory but verdicts/: a probe file created and deleted still changes it."""
     return sorted((root, os.stat(root).st_mtime_ns) for root, _, _ in os.walk(workdir)
-                  if os.path.basename(root) != verdicts.VERDICTS_DIR)
+                  if os.path.basename(root) != workdir_lib.VERDICTS_DIR)
 
 
 def _leaf(state, path):
@@ -343,7 +344,7 @@ def test_verify_once_exit_codes(workdir):
     ok = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert ok.returncode == 0, ok.stderr[-3000:]
     rewrite_step(config, 30, flip_one_bit, keep_saved_fingerprints=True)
-    os.remove(verdicts.verdict_path(workdir, 30))
+    os.remove(workdir_lib.verdict_file(workdir, 30))
     failed = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert failed.returncode == 1
     assert "failing verdicts for steps [30]" in failed.stderr
@@ -400,7 +401,7 @@ def test_retention_never_deletes_the_newest_verified_step(workdir):
 def test_inspect_shows_each_steps_verdict(workdir):
     trained(workdir)
     verify_in_process(workdir)
-    table = helpers.run_module("checkpointing.inspect", f"--workdir={workdir}")
+    table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
     rows = table.stdout.strip().splitlines()
     assert rows[0].split()[-1] == "verdict"
     assert all(row.endswith("reproduced pass") for row in rows[1:4])

@@ -27,8 +27,9 @@ from checkpointing.errors import (BadCheckpointRequest, CorruptCheckpointError, 
 from checkpointing.policy import AutoInterval, SavePolicy, mean_time_between_interruptions, p90
 from checkpointing.service import (CheckpointOptions, CheckpointService, RunMetadata, check_config_matches,
                                    committed_steps, read_manifest)
-from launch.preemption import Preempted, PreemptionWatch
-from launch.watchdog import Watchdog
+from runtime.exit_codes import Preempted
+from runtime.preemption import PreemptionWatch
+from runtime.watchdog import Watchdog
 from trainer.config import AUTO, TrainConfig
 from trainer.program import Program
 
@@ -138,8 +139,7 @@ class PreemptedUnsaved(Preempted):
     """Preempted at `step`, and a save was not started: its commit could not fit the grace period."""
 
     def __init__(self, step: int, why: str):
-        Exception.__init__(self, f"preempted at step {step}; not saved ({why})")
-        self.step = step
+        super().__init__(step, f"preempted at step {step}; not saved ({why})")
 
 
 def make_saver(config: TrainConfig, service: CheckpointService, *, start_step: int, preemption: PreemptionWatch,

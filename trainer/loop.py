@@ -11,17 +11,17 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 from checkpointing import lease as lease_lib
+from checkpointing import workdir as workdir_lib
 from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedError
 from checkpointing.errors import one_line_cause
-from launch.preemption import PreemptionWatch
-from launch.watchdog import Watchdog
+from runtime.preemption import PreemptionWatch
+from runtime.watchdog import Watchdog
 from trainer import checkpoints
 from trainer.config import TrainConfig, format_mesh
 from trainer import metrics
 from trainer.metrics import RunMetrics
 from trainer.program import Program, build_mesh, build_program
 
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ class LossLog:
     def __init__(self, workdir: str):
         self._pending: list[tuple[int, jax.Array]] = []
         self.losses: dict[int, float] = {}
-        self._metrics_path = os.path.join(workdir, METRICS_FILE) if jax.process_index() == 0 else None
+        self._metrics_path = workdir_lib.metrics_file(workdir) if jax.process_index() == 0 else None
         self.metrics = RunMetrics(workdir) if jax.process_index() == 0 else None  # TensorBoard + progress
 
     def add(self, step: int, loss: jax.Array) -> None:
@@ -87,7 +87,7 @@ class LossLog:
 def read_metrics(workdir: str) -> dict[int, float]:
     """The metrics file as {step: loss}; a step logged twice (after a resume) keeps its last value."""
     losses = {}
-    with open(os.path.join(workdir, METRICS_FILE)) as f:
+    with open(workdir_lib.metrics_file(workdir)) as f:
         for line in f:
             record = json.loads(line)
             losses[record["step"]] = record["loss"]

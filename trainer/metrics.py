@@ -21,10 +21,10 @@ from absl import logging
 from etils import epath
 
 from checkpointing import verdicts
+from checkpointing import workdir as workdir_lib
 from checkpointing.errors import one_line_cause
 from checkpointing.service import committed_steps, read_manifest
 
-TENSORBOARD_DIR = "tensorboard"
 PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
 PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")
 UPLOAD_EVERY_SECS = 60.0
@@ -53,7 +53,7 @@ class EventWriter:
     """Scalars into TensorBoard event files; the first failure warns once and turns writing off."""
 
     def __init__(self, workdir: str):
-        self._target = os.path.join(workdir, TENSORBOARD_DIR)
+        self._target = workdir_lib.tensorboard_dir(workdir)
         self._remote = workdir.startswith("gs://")
         self._writer = None
         self._broken = False

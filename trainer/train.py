@@ -5,23 +5,21 @@ that same function). Exit 0 done; 75 preempted (requeue); 2 bad input, one `erro
 fault, whose one `error:` line, last on stderr, names the step, the path and the cause.
 """
 
-from launch import distributed  # first, and without JAX (see distributed.hold_sigterm)
+from runtime import distributed  # first, and without JAX (see distributed.hold_sigterm)
 
 if __name__ == "__main__":
     distributed.hold_sigterm()  # from here until the runtime starts, SIGTERM is a preemption: exit 75
 
 import os  # noqa: E402  (after the SIGTERM guard: importing JAX takes about a second)
-import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 
 import jax  # noqa: E402
-from absl import app, logging  # noqa: E402
+from absl import logging  # noqa: E402
 
-from checkpointing.errors import BadCheckpointRequest, CheckpointError, one_line_cause  # noqa: E402
+from checkpointing.errors import one_line_cause  # noqa: E402
 from checkpointing.storage import check_workdir  # noqa: E402
-from launch import exit_codes, logs  # noqa: E402
-from launch.preemption import Preempted  # noqa: E402
+from runtime import entry  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
 from trainer.config import validate  # noqa: E402
@@ -82,33 +80,19 @@ def main(argv: list[str]) -> None:
     process_started = process_start_time()
     if process_started is not None:
         phases["process_start"] = max(started - process_started, 0.0)
-    logs.quiet_library_logs()
-    if len(argv) > 1:
-        exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
-    try:
-        begin = time.perf_counter()
-        distributed.initialize()
-        phases["distributed_start"] = time.perf_counter() - begin
-        config = validate(trainer_flags.config_from_flags(), jax.device_count())
-        check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// endpoint is one line
-    except ValueError as err:  # ConfigError included
-        exit_codes.exit_bad_input(err)
-    except CheckpointError as err:
-        logs.exit_failure(str(err), err)
+    begin = time.perf_counter()
+    distributed.initialize()
+    phases["distributed_start"] = time.perf_counter() - begin
+    config = validate(trainer_flags.config_from_flags(), jax.device_count())
+    check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// endpoint is one line
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     use_compilation_cache(default_compilation_cache_dir() if cache_dir is None else cache_dir)
     try:
         loop.train(config, startup_phases=phases)
-    except Preempted as preempted:
-        logging.warning("%s: exiting with %d so the scheduler requeues the job", preempted, exit_codes.PREEMPTED)
-        sys.exit(exit_codes.PREEMPTED)
-    except BadCheckpointRequest as err:
-        exit_codes.exit_bad_input(err)
-    except CheckpointError as err:
-        logs.exit_failure(str(err), err)
-    except OSError as err:  # the disk itself, outside a save (full, read-only, gone)
-        logs.exit_failure(f"{err.filename or config.workdir}: {one_line_cause(err)}", err)
+    except OSError as err:  # the disk itself, outside a save (full, read-only, gone): name the workdir
+        err.filename = err.filename or config.workdir
+        raise
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

@@ -8,17 +8,15 @@ final checkpoint, is verified, or until SIGTERM; same exit codes.
 """
 
 import signal
-import sys
 import threading
 
 import jax
-from absl import app, flags, logging
+from absl import flags, logging
 
 from checkpointing import verdicts
-from checkpointing.errors import BadCheckpointRequest, CheckpointError
 from checkpointing.service import committed_steps
 from checkpointing.storage import check_workdir
-from launch import distributed, exit_codes, logs
+from runtime import distributed, entry, exit_codes
 from trainer.config import ConfigError, check_mesh, parse_mesh
 from trainer.flags import MESH, WORKDIR
 from trainer.verifier import Verifier, VerifierOptions
@@ -37,39 +35,32 @@ def failing_steps(workdir: str) -> list[int]:
     return [step for step, v in verdicts.read_steps(workdir, committed_steps(workdir)).items() if v["status"] == "fail"]
 
 
-def main(argv: list[str]) -> None:
-    logs.quiet_library_logs()
-    if len(argv) > 1:
-        exit_codes.exit_bad_input(ValueError(f"unexpected arguments: {' '.join(argv[1:])}"))
+def main(argv: list[str]) -> int:
     if FOLLOW.value == ONCE.value:
-        exit_codes.exit_bad_input(ValueError("give exactly one of --follow and --once"))
-    try:
-        distributed.initialize()
-        if not WORKDIR.value:
-            raise ConfigError("--workdir is required")
-        # --once needs the workdir now; --follow may start before the trainer creates it.
-        check_workdir(WORKDIR.value, must_exist=ONCE.value)
-        mesh = parse_mesh(MESH.value)
-        check_mesh(mesh, jax.device_count())
-        options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
-                                  poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value)
-        verifier = Verifier(options)
-        logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
-        if ONCE.value:
-            verifier.verify_pending()
-        else:
-            stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            verifier.follow(stop, until_step=UNTIL_STEP.value)
-    except (ValueError, BadCheckpointRequest) as err:  # ConfigError included
-        exit_codes.exit_bad_input(err)
-    except CheckpointError as err:  # the storage did not answer, or a verdict could not be written
-        logs.exit_failure(str(err), err)
+        raise ValueError("give exactly one of --follow and --once")
+    distributed.initialize()
+    if not WORKDIR.value:
+        raise ConfigError("--workdir is required")
+    # --once needs the workdir now; --follow may start before the trainer creates it.
+    check_workdir(WORKDIR.value, must_exist=ONCE.value)
+    mesh = parse_mesh(MESH.value)
+    check_mesh(mesh, jax.device_count())
+    options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
+                              poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value)
+    verifier = Verifier(options)
+    logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
+    if ONCE.value:
+        verifier.verify_pending()
+    else:
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        verifier.follow(stop, until_step=UNTIL_STEP.value)
     failing = failing_steps(WORKDIR.value)
     if failing:
         logging.error("failing verdicts for steps %s", failing)
-        sys.exit(exit_codes.FAILURE)
+        return exit_codes.FAILURE
+    return exit_codes.OK
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

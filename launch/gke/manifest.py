@@ -10,7 +10,7 @@ YAML library is needed) after a few `#` comment lines:
   JobSet (jobset.x-k8s.io/v1alpha2): one replicated Job whose parallelism = completions = the
   number of TPU hosts (chips in --tpu_topology / --chips_per_host), pinned to the slice by the
   gke-tpu-accelerator/topology node selectors, each pod asking for --chips_per_host google.com/tpu.
-  GKE injects TPU_WORKER_HOSTNAMES and TPU_WORKER_ID into such pods, so launch/distributed.py
+  GKE injects TPU_WORKER_HOSTNAMES and TPU_WORKER_ID into such pods, so runtime/distributed.py
   starts jax.distributed with no arguments. terminationGracePeriodSeconds must exceed the
   trainer's --preemption_grace_secs: SIGTERM -> agree on a step -> save -> commit -> exit 75.
 
@@ -32,9 +32,9 @@ import re
 import shlex
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from launch import exit_codes
+from runtime import entry, exit_codes
 from launch.tpu import common
 
 NAME = flags.DEFINE_string("name", None, "JobSet name (the verifier Job is NAME-verifier).")
@@ -231,4 +231,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main, takes_arguments=True)

@@ -53,7 +53,7 @@ ckpt_srun() {
   wait "$pid"
 }
 
-# Maps a ranked srun code back to the trainer's exit codes (launch/exit_codes.py).
+# Maps a ranked srun code back to the trainer's exit codes (runtime/exit_codes.py).
 ckpt_pod_code() {
   case "$1" in
     0) echo 0 ;;

@@ -10,7 +10,7 @@
 #   CKPT_CPU_DEVICES_PER_TASK   local testing only: JAX_PLATFORMS=cpu and this many fake CPU devices
 #
 # With more than one task the module gets --coordinator_address/--num_processes/--process_id, so
-# launch/distributed.py takes its explicit path (the one the local pod launcher uses).
+# runtime/distributed.py takes its explicit path (the one the local pod launcher uses).
 #
 # Signals: Slurm signals every process of the step (slurmstepd's process tracking), so Python
 # gets SIGTERM straight from slurmstepd; this shell only has to survive it (`trap :`: bash runs

@@ -1,7 +1,7 @@
 """Checks shared by the cloud recipes (Cloud TPU VMs in this package, GKE in launch/gke).
 
 Every check raises RecipeError naming the flag and its value; a recipe turns it into one line on
-stderr and exit 2 (launch/exit_codes.py) before it prints anything, so a bad command never
+stderr and exit 2 (runtime/exit_codes.py) before it prints anything, so a bad command never
 reaches a half-created TPU.
 """
 

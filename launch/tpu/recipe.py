@@ -15,7 +15,7 @@ tests read is what runs. The script:
   3. installs the image or package on every worker (`tpu-vm ssh --worker=all`);
   4. runs the trainer on every worker (`--worker=all`), one process per host; each worker exports
      TPU_WORKER_ID and TPU_WORKER_HOSTNAMES from the metadata server first, because
-     launch/distributed.py starts jax.distributed (with no arguments) only when that variable
+     runtime/distributed.py starts jax.distributed (with no arguments) only when that variable
      lists several hosts, and a TPU VM does not set it;
   5. on exit 75 (preempted, its checkpoint committed), or any exit once the TPU itself is gone,
      goes back to 2: the trainer resumes from the latest committed checkpoint. At most
@@ -33,9 +33,9 @@ import shutil
 import subprocess
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
-from launch import exit_codes
+from runtime import entry, exit_codes
 from launch.tpu import common
 
 PROJECT = flags.DEFINE_string("project", None, "Google Cloud project.")
@@ -269,7 +269,7 @@ def script(recipe: TpuRecipe, argv: list[str] | None = None) -> str:
         f"project {recipe.project}, zone {recipe.zone}.",
         f"# Workdir {recipe.workdir}; verifier VM {vm} ({recipe.verifier_machine_type}, "
         f"--mesh={recipe.verifier_mesh}).",
-        "# Trainer exit codes (launch/exit_codes.py): 0 done, 75 preempted with its checkpoint committed,",
+        "# Trainer exit codes (runtime/exit_codes.py): 0 done, 75 preempted with its checkpoint committed,",
         "# 2 bad input, 1 failure. --worker=all exits with the first non-zero worker code in worker order.",
         "set -u -o pipefail",
         "verifier_pid=",
@@ -391,4 +391,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main, takes_arguments=True)

@@ -14,15 +14,7 @@ import threading
 from absl import logging
 from jax.experimental import multihost_utils
 
-from launch import distributed
-
-
-class Preempted(Exception):
-    """The run was preempted at `step` and that step's checkpoint committed."""
-
-    def __init__(self, step: int):
-        super().__init__(f"preempted at step {step}; its checkpoint committed")
-        self.step = step
+from runtime import distributed
 
 
 class PreemptionWatch:

@@ -14,7 +14,7 @@ import time
 
 from absl import logging
 
-from launch import exit_codes
+from runtime import exit_codes
 
 
 class Watchdog:

@@ -1,4 +1,4 @@
-"""python -m checkpointing.inspect --workdir=DIR [--losses] [--plot=run.png|run.svg [--reference=DIR]]
+"""python -m trainer.inspect --workdir=DIR [--losses] [--plot=run.png|run.svg [--reference=DIR]]
 
 Lists the committed steps of a workdir (size, mesh, processes, time, reason, loss range, the
 verifier's verdict); with --losses prints every recorded per-step loss of every committed
@@ -13,13 +13,12 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 from checkpointing import plot
-from checkpointing.errors import CheckpointError
 from checkpointing.report import format_table, recorded_losses, table_rows
 from checkpointing.storage import check_workdir
-from launch import exit_codes, logs
+from runtime import entry
 
 WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (local path or gs://).")
 LOSSES = flags.DEFINE_boolean("losses", False, "Print the recorded per-step losses as JSON instead of the table.")
@@ -54,24 +53,18 @@ def _plot() -> str:
 
 
 def main(argv: list[str]) -> None:
-    logs.quiet_library_logs()
     if not WORKDIR.value:
-        exit_codes.exit_bad_input(ValueError("--workdir is required"))
-    try:
-        check_workdir(WORKDIR.value, must_exist=True)
-        _check_plot_flags()
-        if PLOT.value:
-            output = _plot()
-        elif LOSSES.value:
-            output = json.dumps({str(s): v for s, v in recorded_losses(WORKDIR.value).items()})
-        else:
-            output = format_table(table_rows(WORKDIR.value))
-    except CheckpointError as err:  # the storage did not answer, or a checkpoint cannot be read
-        logs.exit_failure(str(err), err)
-    except ValueError as err:  # the workdir is missing, or a regular file
-        exit_codes.exit_bad_input(err)
+        raise ValueError("--workdir is required")
+    check_workdir(WORKDIR.value, must_exist=True)
+    _check_plot_flags()
+    if PLOT.value:
+        output = _plot()
+    elif LOSSES.value:
+        output = json.dumps({str(s): v for s, v in recorded_losses(WORKDIR.value).items()})
+    else:
+        output = format_table(table_rows(WORKDIR.value))
     sys.stdout.write(output + "\n")
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=exit_codes.parse_flags_or_exit)
+    entry.run(main)

@@ -15,6 +15,14 @@ BAD_INPUT = 2  # bad flags, a checkpoint that does not match the program, an unu
 PREEMPTED = 75  # EX_TEMPFAIL: preempted, the final checkpoint committed, requeue me
 
 
+class Preempted(Exception):
+    """The run was preempted at `step` and that step's checkpoint committed: exit PREEMPTED."""
+
+    def __init__(self, step: int, message: str | None = None):
+        super().__init__(message or f"preempted at step {step}; its checkpoint committed")
+        self.step = step
+
+
 def exit_bad_input(error: Exception) -> None:
     """One line on stderr naming what is wrong, then exit BAD_INPUT."""
     sys.stderr.write(f"error: {error}\n")

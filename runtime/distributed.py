@@ -5,7 +5,7 @@ Where the process count comes from, in order:
   Slurm (SLURM_JOB_ID with SLURM_NTASKS > 1)           jax.distributed.initialize() reads the job
   Cloud TPU pod (TPU_WORKER_HOSTNAMES lists > 1 host)  jax.distributed.initialize() with no arguments
   otherwise                                            a single process; nothing to initialize
-After initialization JAX's preemption notifier owns SIGTERM: see launch/preemption.py.
+After initialization JAX's preemption notifier owns SIGTERM: see runtime/preemption.py.
 
 Before that, start-up is guarded (`hold_sigterm`, which the trainer calls before it even imports
 JAX, an import of about a second): a SIGTERM is a preemption that came early, so the process exits
@@ -24,7 +24,7 @@ import time
 
 from absl import flags, logging
 
-from launch import exit_codes
+from runtime import exit_codes
 
 COORDINATOR_ADDRESS = flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator.")
 NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job (one per host).", lower_bound=1)

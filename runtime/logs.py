@@ -15,7 +15,7 @@ import threading
 from absl import logging
 
 from checkpointing.errors import one_line_cause
-from launch import exit_codes
+from runtime import exit_codes
 
 _CHATTY_LIBRARIES = ("/orbax/", "/jax/_src/", "/etils/", "/tensorstore/", "/gcsfs/", "/fsspec/", "/aiohttp/",
                      "/asyncio/", "/concurrent/futures/")

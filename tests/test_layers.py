@@ -1,0 +1,58 @@
+"""The packages import one way: checkpointing <- runtime <- trainer <- launch (README's map).
+
+Parsed from the source (every import statement, including those inside functions), so a new
+import against the grain fails here before anyone reads it.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Each layer may import itself and the layers listed; nothing else of ours.
+ALLOWED = {
+    "checkpointing": {"checkpointing"},
+    "runtime": {"runtime", "checkpointing"},
+    "trainer": {"trainer", "runtime", "checkpointing"},
+    "launch": {"launch", "trainer", "runtime", "checkpointing"},
+}
+OURS = set(ALLOWED) | {"benchmarks", "tests", "examples"}
+
+
+def imported_packages(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & OURS
+
+
+def test_layers_import_one_way():
+    wrong = []
+    for layer, allowed in ALLOWED.items():
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            for package in sorted(imported_packages(path) - allowed):
+                wrong.append(f"{path.relative_to(ROOT)} imports {package}")
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_a_wrong_import(tmp_path):
+    """The parser finds imports at any depth (a function's body too), in both forms."""
+    source = tmp_path / "probe.py"
+    source.write_text("import os\ndef f():\n    from trainer import loop\n    import launch.pod\n")
+    assert imported_packages(source) == {"trainer", "launch"}
+
+
+@pytest.mark.parametrize("module", ["runtime.entry", "runtime.distributed", "runtime.exit_codes", "runtime.logs"])
+def test_runtime_start_up_imports_no_jax(module):
+    """The trainer holds SIGTERM before importing JAX (about a second): these must not import it."""
+    code = f"import sys, {module}; print('jax' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,22 @@
+"""Orbax API the service relies on beyond its public surface: a change in Orbax fails here first."""
+
+import inspect
+
+import orbax.checkpoint as ocp
+
+from checkpointing import service, workdir
+
+
+def test_json_handler_save_fn_is_the_hook_the_manifest_overrides():
+    """service._ManifestHandler overrides the private JsonCheckpointHandler._save_fn: the one hook
+    inside the background write. If Orbax renames it or changes its arguments, manifests would be
+    written without waiting for the fingerprints (or not at all): this must fail loudly."""
+    hook = ocp.handlers.JsonCheckpointHandler._save_fn
+    assert inspect.iscoroutinefunction(hook)
+    assert list(inspect.signature(hook).parameters) == ["self", "x", "directory"]
+    assert service._ManifestHandler._save_fn is not hook
+
+
+def test_the_manifest_file_name_is_set_explicitly():
+    handler = service._ManifestHandler()
+    assert handler._filename == workdir.MANIFEST_FILE == "metadata"  # where every existing manifest is
