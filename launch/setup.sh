@@ -11,6 +11,6 @@ fi
 stamp="$root/.venv/.installed"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] || [ "$root/launch/constraints.txt" -nt "$stamp" ]; then
   "$root/.venv/bin/python" -m pip install --quiet --upgrade pip
-  "$root/.venv/bin/python" -m pip install --quiet -c "$root/launch/constraints.txt" -e "$root[dev]"
+  "$root/.venv/bin/python" -m pip install --quiet -c "$root/launch/constraints.txt" -e "${root}[dev]"
   touch "$stamp"
 fi

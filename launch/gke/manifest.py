@@ -223,11 +223,9 @@ def render(documents: list[dict], argv: list[str]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    try:
-        text = render(manifests_from_flags(argv[1:]), sys.argv[1:])
-    except ValueError as err:  # RecipeError and ConfigError (the verifier mesh)
-        exit_codes.exit_bad_input(err)
-    sys.stdout.write(text)
+    """Bad input raises ValueError (RecipeError, or ConfigError for the verifier mesh): entry.run
+    turns it into exit 2 and one line, before anything is printed."""
+    sys.stdout.write(render(manifests_from_flags(argv[1:]), sys.argv[1:]))
 
 
 if __name__ == "__main__":

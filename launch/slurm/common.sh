@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by train.sbatch and verify.sbatch (Slurm runs a copy of the batch script from its spool
 # directory, so they find this file through CKPT_REPO, not through their own path).
 #

@@ -1,8 +1,8 @@
 """Checks shared by the cloud recipes (Cloud TPU VMs in this package, GKE in launch/gke).
 
-Every check raises RecipeError naming the flag and its value; a recipe turns it into one line on
-stderr and exit 2 (runtime/exit_codes.py) before it prints anything, so a bad command never
-reaches a half-created TPU.
+Every check raises RecipeError (a ValueError) naming the flag and its value; runtime/entry.py's
+run() turns it into one line on stderr and exit 2 before the recipe prints anything, so a bad
+command never reaches a half-created TPU.
 """
 
 import math
@@ -74,7 +74,7 @@ def check_trainer_args(args: list[str]) -> tuple[str, ...]:
 
 def preemption_grace_secs(trainer_args: tuple[str, ...]) -> float:
     """The trainer's --preemption_grace_secs as it will parse it: the last one given, else the default."""
-    value = TrainConfig().preemption_grace_secs
+    value = TrainConfig().checkpoint.preemption_grace_secs
     for arg in trainer_args:
         name, _, text = arg[2:].partition("=")
         if name == "preemption_grace_secs":
