@@ -1,7 +1,8 @@
 """Everything one config compiles on one mesh: the trainer and the verifier each build one.
 
 One owner for the compiled pieces: the init, the donated step and the batch function, with
-the state shardings they agree on and the abstract state a restore targets.
+the state shardings they agree on and the abstract state a restore targets. The model comes
+from its spec (trainer.models.resolve(config.model)); nothing here knows which one it is.
 """
 
 import dataclasses
@@ -36,18 +37,19 @@ class Program:
 
 
 def build_program(config: TrainConfig, mesh: Mesh) -> Program:
-    model = models.make_model(config)
+    spec = models.resolve(config.model)
+    module = spec.make_module(config)
     tx = state_lib.make_optimizer(config)
-    init = state_lib.make_init_fn(config, model, tx)
+    init = state_lib.make_init_fn(config, spec, module, tx)
     abstract = jax.eval_shape(init)
-    shardings = state_lib.state_shardings(abstract, mesh)
+    shardings = state_lib.state_shardings(abstract, mesh, spec.partition)
     batch_sharding = data.batch_sharding(mesh)
     replicated = NamedSharding(mesh, P())
     # Shardings at the step's boundary: the state comes in and goes out with the same layout
     # (so it can be donated and the next call hits the same executable), the batch is split
     # over 'data', and the scalar loss is replicated so any process can read it.
     step_fn = jax.jit(
-        functools.partial(step_lib.train_step, model),
+        functools.partial(step_lib.train_step, functools.partial(spec.loss, module)),
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
@@ -60,5 +62,5 @@ def build_program(config: TrainConfig, mesh: Mesh) -> Program:
         batch_sharding=batch_sharding,
         init_fn=jax.jit(init, out_shardings=shardings),
         step_fn=step_fn,
-        batch_fn=data.make_batch_fn(config, mesh),
+        batch_fn=data.make_batch_fn(spec, config, mesh),
     )

@@ -1,7 +1,8 @@
 """How closely a replay must reproduce a checkpoint: bit-exact on the layout that recorded it,
 within documented per-leaf tolerances on any other. One owner for that rule.
 
-Per leaf, across layouts, ||replayed - saved|| may be at most CROSS_MESH_STATE_RTOL times the
+The numbers are the model's own (its spec's cross_mesh_loss_rtol and cross_mesh_state_rtol,
+trainer/models). Per leaf, across layouts, ||replayed - saved|| may be at most that state rtol times the
 larger of ||replayed|| and how far the leaf moved during the replay (rounding accumulates with the
 updates summed, and a moment that crossed zero is small but carries the error of its path). The
 replayed side is the trusted one: it came from a proved predecessor. A leaf whose gradient
@@ -16,7 +17,7 @@ import math
 import re
 
 from checkpointing.compare import leaf_differences
-from trainer.step import CROSS_MESH_LOSS_RTOL, CROSS_MESH_STATE_RTOL
+from trainer import models
 
 NOISE_RATIO = 1e-5  # RMS of a leaf's Adam mu below this fraction of the largest: noise-driven
 NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device meshes
@@ -33,7 +34,9 @@ def same_layout(mesh_shape: dict, process_count: int, manifest: dict) -> bool:
 
 
 def loss_rtol(model: str, exact: bool) -> float:
-    return 0.0 if exact else CROSS_MESH_LOSS_RTOL[model]
+    """The relative tolerance of a loss-list comparison for `model` (a --model value): 0 (bit-exact)
+    when the numbers were recorded on the same layout, the model's measured bound otherwise."""
+    return 0.0 if exact else models.resolve(model).cross_mesh_loss_rtol
 
 
 def state_tolerances(replayed, anchor, model: str, leaves: dict[str, dict]) -> dict[str, float]:
@@ -46,7 +49,7 @@ def state_tolerances(replayed, anchor, model: str, leaves: dict[str, dict]) -> d
            for path, (_, norm, _) in movement.items() if (m := _FIRST_MOMENT.match(path))}
     largest = max(rms.values(), default=0.0)
     noise = {suffix for suffix, value in rms.items() if value <= NOISE_RATIO * largest}
-    rtol = CROSS_MESH_STATE_RTOL[model]
+    rtol = models.resolve(model).cross_mesh_state_rtol
     tolerances = {}
     for path, (moved, norm, _) in movement.items():
         if not leaves[path]["dtype"].startswith(("float", "bfloat", "complex")):

@@ -1,0 +1,1 @@
+"""Models that live outside the trainer and plug in with --model=package.module:name."""
