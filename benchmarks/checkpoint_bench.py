@@ -39,7 +39,7 @@ import tempfile
 from absl import flags, logging
 
 from benchmarks import common
-from runtime import entry, exit_codes
+from runtime import entry
 
 _STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
                                 lower_bound=0.125)
@@ -158,9 +158,9 @@ def report(summary: dict, samples: dict, load: dict) -> str:
 def main(argv):
     del argv
     if _WORKDIR.value and not os.path.isdir(_WORKDIR.value):
-        exit_codes.exit_bad_input(ValueError(f"--workdir={_WORKDIR.value}: not a directory"))
+        raise ValueError(f"--workdir={_WORKDIR.value}: not a directory")
     if _JSON_OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON_OUT.value))):
-        exit_codes.exit_bad_input(ValueError(f"--json_out={_JSON_OUT.value}: its directory does not exist"))
+        raise ValueError(f"--json_out={_JSON_OUT.value}: its directory does not exist")
     root = tempfile.mkdtemp(prefix="checkpoint_bench_", dir=_WORKDIR.value or "/tmp")
     meter = common.LoadMeter()
     try:

@@ -27,10 +27,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from benchmarks import common
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
+from checkpointing import orbax_hooks
 from checkpointing import service as service_lib
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import CheckpointOptions, CheckpointService, RunMetadata
-from runtime import entry, exit_codes
+from checkpointing.config import CheckpointConfig
+from checkpointing.service import CheckpointService, RunMetadata
+from runtime import entry
 
 _VARIANT = flags.DEFINE_enum("variant", None, ["saves", "passes", "restores", "rss_service_save", "rss_orbax_save",
                                                 "rss_restore"], "What to measure (see VARIANTS).", required=True)
@@ -48,7 +50,7 @@ LAYOUTS = {"same": ((4, 2), P("data", "model")),
            "model=8": ((1, 8), P(None, "model"))}
 
 # What save() calls while the caller waits, so its blocking time can be split up ('a/b': b runs inside a).
-_MANAGER = service_lib._Manager  # pylint: disable=protected-access  (the service's Orbax manager)
+_MANAGER = orbax_hooks.Manager  # the service's Orbax manager
 BLOCKING_PARTS = {
     "check_for_errors": (service_lib.CheckpointService, "check_for_errors"),
     "fingerprint_dispatch": (fingerprint_lib, "tree_fingerprints"),
@@ -114,7 +116,7 @@ def open_save(kind: str, directory: str, state):
     two items (the state, and a manifest without fingerprints as JSON): what the service's layout
     costs before any of its own work."""
     if kind in ("sync", "async"):
-        manager = CheckpointService(directory, CheckpointOptions(async_save=kind == "async", max_to_keep=2), run=RUN)
+        manager = CheckpointService(directory, CheckpointConfig(async_save=kind == "async", max_to_keep=2), run=RUN)
         return manager, lambda: manager.save(1, state, losses={}, reason="interval")
     if kind == "orbax":
         manager = ocp.CheckpointManager(directory)
@@ -245,8 +247,8 @@ VARIANTS = {
 def main(argv):
     del argv
     if jax.device_count() != 8:
-        exit_codes.exit_bad_input(ValueError(f"expected 8 fake CPU devices, got {jax.device_count()}: "
-                                             "run it through benchmarks.checkpoint_bench"))
+        raise ValueError(f"expected 8 fake CPU devices, got {jax.device_count()}: "
+                         "run it through benchmarks.checkpoint_bench")
     print(json.dumps({**VARIANTS[_VARIANT.value](), "state_bytes": [state_bytes(_STATE_GIB.value)]}))
 
 

@@ -104,7 +104,8 @@ def require_auto_interval() -> None:
 def launch(module: str, args: list[str], log_path: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=1",
                f"--module={module}", "--", *args]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=python_path)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     _LIVE.add(proc.pid)
@@ -210,7 +211,8 @@ def report(results: dict[str, dict]) -> tuple[str, dict]:
         phases = [median([p[ph] for p in r["restarts"] if ph in p]) for ph in PHASES]
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
         rows.append([name, f"{r['wall_secs']:.1f}", f"{goodput:.3f}", str(len(r["restarts"])), f"{recomputed:.1f}",
-                     fmt(median(restarts)), fmt(median([phase_sum(p) for p in r["restarts"]])), *map(fmt, phases), str(r["saves"]), fmt(per_save)])
+                     fmt(median(restarts)), fmt(median([phase_sum(p) for p in r["restarts"]])), *map(fmt, phases),
+                     str(r["saves"]), fmt(per_save)])
     cached = [p for name, r in results.items() if name != "service_no_cache" for p in r["restarts"]]
     uncached = results.get("service_no_cache", {}).get("restarts", [])
     out["restart_secs_median"] = median([restart_secs(p) for p in cached])

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from checkpointing import workdir as workdir_lib  # noqa: E402
-from runtime import exit_codes, logs  # noqa: E402
+from runtime import exit_codes  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
 from trainer.config import validate  # noqa: E402
@@ -74,7 +74,7 @@ def train(config, phases: dict[str, float]) -> None:
     manager = None
     if PLAIN_SAVE.value:
         manager = _Manager(workdir_lib.checkpoints_dir(config.workdir), options=ocp.CheckpointManagerOptions(
-            max_to_keep=config.max_to_keep, enable_async_checkpointing=True))
+            max_to_keep=config.checkpoint.max_to_keep, enable_async_checkpointing=True))
     latest = manager.latest_step() if manager is not None else None
     begin = time.perf_counter()
     loop.compile_program(program, fresh=latest is None)
@@ -89,7 +89,7 @@ def train(config, phases: dict[str, float]) -> None:
         state = manager.restore(latest, args=ocp.args.StandardRestore(program.abstract_state))
     jax.block_until_ready(state)
     loop.log_phase("restore", time.perf_counter() - begin)
-    saver = _Saver(manager, config.save_every_steps, config.steps, start_step)
+    saver = _Saver(manager, config.checkpoint.save_every_steps, config.steps, start_step)
     start = time.perf_counter()
     state = loop.run_steps(program, state, start_step, config.steps, loop.LossLog(config.workdir), on_step=saver)
     if manager is not None:
@@ -105,14 +105,10 @@ def main(argv: list[str]) -> None:
     started, phases = time.time(), {}
     if (process_started := process_start_time()) is not None:
         phases["process_start"] = max(started - process_started, 0.0)
-    logs.quiet_library_logs()
-    try:
-        begin = time.perf_counter()
-        distributed.initialize()
-        phases["distributed_start"] = time.perf_counter() - begin
-        config = validate(trainer_flags.config_from_flags(), jax.device_count())
-    except ValueError as err:
-        exit_codes.exit_bad_input(err)
+    begin = time.perf_counter()
+    distributed.initialize()
+    phases["distributed_start"] = time.perf_counter() - begin
+    config = validate(trainer_flags.config_from_flags(), jax.device_count())
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value
     use_compilation_cache(default_compilation_cache_dir() if cache_dir is None else cache_dir)
     train(config, phases)

@@ -106,7 +106,8 @@ def run_once(run_dir: str, replay: str | None) -> dict:
     try:  # the verifier first, so that it is polling by the first commit
         for name, command, devices in ([("verify", verify, 2)] if replay is not None else []) + [("train", train, 8)]:
             with open(os.path.join(run_dir, f"{name}.log"), "w") as log:
-                procs[name] = subprocess.Popen(command, cwd=ROOT, env=env(devices), stdout=log, stderr=subprocess.STDOUT)
+                procs[name] = subprocess.Popen(command, cwd=ROOT, env=env(devices), stdout=log,
+                                               stderr=subprocess.STDOUT)
         deadline = time.perf_counter() + _RUN_TIMEOUT.value
         while any(p.poll() is None for p in procs.values()) and procs["train"].poll() in (None, 0):
             scan(*dirs, commits, verdicts, complete)
@@ -182,10 +183,10 @@ def report(results: dict, restore: dict, other: tuple) -> str:
         return [x for run in results[variant] for x in run[key]]
 
     plain = ("restore", restore["times"])
-    lines = [f"Verifier benchmark: mlp state of {restore['bytes'] / 2**20:.1f} MiB (params + 2 Adam moments), trainer "
-             f"on data=4,model=2 (8 CPU devices), verifier on data=2 (2 CPU devices); {_STEPS.value} steps saving every "
-             f"{_SAVE_EVERY.value}; medians over {_ROUNDS.value} rounds (variants rotated), raw values in brackets. "
-             f"Latencies leave out each run's first step. Other processes used {other[0]:.0f} CPU-s in the "
+    lines = [f"Verifier benchmark: mlp state of {restore['bytes'] / 2**20:.1f} MiB (params + 2 Adam moments), "
+             f"trainer on data=4,model=2 (8 CPU devices), verifier on data=2 (2 CPU devices); {_STEPS.value} steps "
+             f"saving every {_SAVE_EVERY.value}; medians over {_ROUNDS.value} rounds (variants rotated), raw values in "
+             f"brackets. Latencies leave out each run's first step. Other processes used {other[0]:.0f} CPU-s in the "
              f"{other[1]:.0f}s it ran ({other[0] / other[1] / os.cpu_count():.1%} of {os.cpu_count()} cores).", "",
              "| ratio | value | target | met | numerator | denominator |", "|---|---|---|---|---|---|"]
     lines += [row(f"commit -> first (intact) verdict (replay_steps={r}) / plain restore",
@@ -197,8 +198,8 @@ def report(results: dict, restore: dict, other: tuple) -> str:
     lines += [row(f"training steps/s with verifier (replay_steps={r}) / alone", ("with", gather(r, "steps_per_sec")),
                   ("alone", gather(None, "steps_per_sec")), unit=" steps/s") for r in _REPLAY.value]
     lines += [""] + [f"Complete verdicts (replay_steps={r}): {levels.count('intact')} intact, "
-                     f"{levels.count('replayed')} replayed, {levels.count('reproduced')} reproduced." for r in _REPLAY.value
-                     for levels in [gather(r, "levels")]]
+                     f"{levels.count('replayed')} replayed, {levels.count('reproduced')} reproduced."
+                     for r in _REPLAY.value for levels in [gather(r, "levels")]]
     return "\n".join(lines)
 
 

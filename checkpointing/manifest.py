@@ -16,6 +16,9 @@ Fields:
   saved_at       ISO-8601 UTC time the manifest was written (during the background save)
   reason         why it was saved: interval, time, final, preemption
   extra          optional JSON object the trainer adds (commit times, the chosen save interval)
+  tier           optional: "local" for a step in one process's local directory (absent: persistent)
+  process_index  local steps: the process that wrote it; with mesh and process_count, its layout
+  local_shards   local steps: digest of the shards that process holds (checkpointing/local_tier.py)
   digest         sha256 of every other field in canonical JSON (sorted keys, no spaces): an edited
                  loss, fingerprint or config field makes the step corrupt instead of framing a
                  neighbour's proof (a check against accidents, not a signature)
@@ -34,6 +37,8 @@ import jax
 from checkpointing.errors import ManifestError
 
 MANIFEST_FORMAT = 2
+PERSISTENT, LOCAL = "persistent", "local"  # the tiers a step may live in
+
 _READABLE_FORMATS = (1, 2)
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 
@@ -70,8 +75,8 @@ def leaf_table(tree) -> dict[str, dict]:
 
 def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], losses: dict[int, float],
           config: dict, fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str,
-          extra: dict | None = None) -> dict:
-    """`leaves` is leaf_table(state); each entry gets its fingerprint."""
+          extra: dict | None = None, tier_fields: dict | None = None) -> dict:
+    """`leaves` is leaf_table(state); each entry gets its fingerprint; `tier_fields`: a local step's layout."""
     leaves = {path: {**leaf, "fingerprint": fingerprints[path]} for path, leaf in leaves.items()}
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -89,6 +94,7 @@ def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], l
     }
     if extra:  # optional, so older manifests stay valid; covered by the digest like every field
         manifest["extra"] = dict(extra)
+    manifest.update(tier_fields or {})  # absent on persistent steps, so their manifests are as before
     manifest["digest"] = digest(manifest)
     validate(manifest)
     return manifest
@@ -116,6 +122,11 @@ def validate(manifest: Any, where: str = "manifest") -> dict:
     if manifest["format"] >= 2 and manifest.get("digest") != digest(manifest):
         raise ManifestError(f"{where}: content does not match its digest (edited or damaged after the save)")
     return manifest
+
+
+def tier(manifest: dict) -> str:
+    """The tier the step was saved to; manifests from before the local tier are persistent."""
+    return manifest.get("tier", PERSISTENT)
 
 
 def losses(manifest: dict) -> dict[int, float]:

@@ -15,6 +15,7 @@ import io
 
 from etils import epath
 
+from checkpointing.config import format_mesh
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing.service import committed_steps, read_manifest
@@ -49,10 +50,6 @@ def colour_of(verdict: dict | None) -> str:
     return VERDICT_COLOURS[f"{verdict['level']} pass"]
 
 
-def format_mesh(mesh: dict) -> str:
-    return ",".join(f"{axis}={size}" for axis, size in mesh.items())
-
-
 def series(workdir: str) -> Series:
     """Reads the committed manifests (and their verdicts) of `workdir` once."""
     steps = committed_steps(workdir)
@@ -71,7 +68,8 @@ def series(workdir: str) -> Series:
             preemptions.append(step)
         if previous is not None and (previous["reason"] == "preemption" or previous["mesh"] != manifest["mesh"]
                                      or previous["process_count"] != manifest["process_count"]):
-            resumes.append((previous["step"], f"{format_mesh(manifest['mesh'])} ({manifest['process_count']} processes)"))
+            resumes.append((previous["step"],
+                            f"{format_mesh(manifest['mesh'])} ({manifest['process_count']} processes)"))
         previous = manifest
     ordered = sorted(losses)
     return Series(ordered, [losses[s] for s in ordered], checkpoints, preemptions, resumes)

@@ -1,5 +1,6 @@
 """What a workdir holds, for people and scripts: committed steps, their losses and verdicts."""
 
+from checkpointing.config import format_mesh
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
@@ -31,14 +32,21 @@ def table_rows(workdir: str) -> list[dict]:
         rows.append({
             "step": step,
             "bytes": directory_bytes(fresh_path(str(workdir_lib.step_dir(workdir, step)))),
-            "mesh": ",".join(f"{axis}={size}" for axis, size in manifest["mesh"].items()),
+            "mesh": format_mesh(manifest["mesh"]),
             "processes": manifest["process_count"],
             "saved_at": manifest["saved_at"],
             "reason": manifest["reason"],
+            "resumed_from": _resumed_from(manifest),
             "losses": f"{min(losses):.6g}..{max(losses):.6g} ({len(losses)} steps)" if losses else "-",
             "verdict": verdicts.summary(verdicts.read(workdir, step)),
         })
     return rows
+
+
+def _resumed_from(manifest: dict) -> str:
+    """'35 (local)': the step and tier the run that saved this step resumed from; '-' for a fresh run."""
+    resumed = (manifest.get("extra") or {}).get("resumed_from")
+    return f"{resumed['step']} ({resumed['tier']})" if resumed else "-"
 
 
 def format_table(rows: list[dict]) -> str:

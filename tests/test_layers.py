@@ -49,9 +49,11 @@ def test_the_check_sees_a_wrong_import(tmp_path):
     assert imported_packages(source) == {"trainer", "launch"}
 
 
-@pytest.mark.parametrize("module", ["runtime.entry", "runtime.distributed", "runtime.exit_codes", "runtime.logs"])
-def test_runtime_start_up_imports_no_jax(module):
-    """The trainer holds SIGTERM before importing JAX (about a second): these must not import it."""
+@pytest.mark.parametrize("module", ["runtime.entry", "runtime.distributed", "runtime.exit_codes", "runtime.logs",
+                                    "trainer.config", "launch.tpu.recipe", "launch.gke.manifest"])
+def test_start_up_and_recipes_import_no_jax(module):
+    """The trainer holds SIGTERM before importing JAX (about a second), and the cloud recipes only
+    validate and print: none of these may import it."""
     code = f"import sys, {module}; print('jax' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -4,19 +4,19 @@ import inspect
 
 import orbax.checkpoint as ocp
 
-from checkpointing import service, workdir
+from checkpointing import orbax_hooks, workdir
 
 
 def test_json_handler_save_fn_is_the_hook_the_manifest_overrides():
-    """service._ManifestHandler overrides the private JsonCheckpointHandler._save_fn: the one hook
+    """orbax_hooks.ManifestHandler overrides the private JsonCheckpointHandler._save_fn: the one hook
     inside the background write. If Orbax renames it or changes its arguments, manifests would be
     written without waiting for the fingerprints (or not at all): this must fail loudly."""
     hook = ocp.handlers.JsonCheckpointHandler._save_fn
     assert inspect.iscoroutinefunction(hook)
     assert list(inspect.signature(hook).parameters) == ["self", "x", "directory"]
-    assert service._ManifestHandler._save_fn is not hook
+    assert orbax_hooks.ManifestHandler._save_fn is not hook
 
 
 def test_the_manifest_file_name_is_set_explicitly():
-    handler = service._ManifestHandler()
+    handler = orbax_hooks.ManifestHandler()
     assert handler._filename == workdir.MANIFEST_FILE == "metadata"  # where every existing manifest is

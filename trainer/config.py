@@ -1,8 +1,11 @@
 """The run's configuration: one frozen object built once from flags.
 
-Every field has a one-line comment. `FIXED_FIELDS` are the fields a resume must not change
-(they decide the state's shapes or the numbers the run computes); the checkpoint manifest
-stores a hash of them and a resume with different values is refused.
+Every field carries its flag help and bounds as metadata (`checkpointing.config.option`):
+trainer/flags.py generates the flags from it and `validate` checks it, so each is written once.
+The checkpoint fields are checkpointing's own `CheckpointConfig`, composed as `config.checkpoint`;
+flags, manifests and `from_flat` see one flat namespace (`--save_every_steps`, not a nested name).
+`FIXED_FIELDS` are the fields a resume must not change (they decide the state's shapes or the
+numbers the run computes); the manifest stores a hash of them and a resume that changes one is refused.
 """
 
 import dataclasses
@@ -11,42 +14,34 @@ import json
 import os
 import tempfile
 
+from checkpointing import workdir as workdir_lib
+from checkpointing.config import CheckpointConfig, ConfigError, check_fields, format_mesh, option
+
 MESH_AXES = ("data", "model")
-MODELS = ("mlp", "transformer")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the value."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    workdir: str = ""  # Checkpoints, verdicts and metrics live here (local path or gs://).
-    model: str = "mlp"  # 'mlp' (regression, as in the seeds) or 'transformer' (decoder-only LM).
-    steps: int = 100  # Total optimizer steps of the run; a resume continues up to this step.
-    mesh: tuple[tuple[str, int], ...] = ()  # Axis sizes by name; () means data=<all devices>.
-    batch_size: int = 64  # Global batch, split over the 'data' axis.
-    learning_rate: float = 1e-2  # Adam step size.
-    seed: int = 0  # Base of every random draw: init key and the fold_in(seed, step) batches.
-    log_every_steps: int = 10  # Losses are pulled to the host (and logged) at this cadence.
-    input_dim: int = 16  # mlp: features per example.
-    hidden_dim: int = 64  # mlp: hidden width; transformer: model width (d_model).
-    num_layers: int = 2  # mlp: hidden layers; transformer: decoder blocks.
-    num_heads: int = 4  # transformer: attention heads (must divide hidden_dim).
-    seq_len: int = 32  # transformer: tokens per example.
-    vocab_size: int = 64  # transformer: token vocabulary.
-    # Checkpointing (see checkpointing.service.CheckpointOptions for the semantics).
-    save_every_steps: int = 0  # Save when the step is a multiple of this; 0 disables.
-    save_every_secs: float | str = 0.0  # Also save when this long has passed since the last save; 0 disables; 'auto'.
-    max_save_overhead: float = 0.02  # auto: saves cost at most this fraction of the time (interval >= C / this).
-    max_save_interval_secs: float = 3600.0  # auto: the longest interval between two saves.
-    max_to_keep: int = 5  # Most recent checkpoints kept (milestones and the newest verified aside).
-    keep_every_steps: int = 0  # Steps that are multiples of this are kept forever; 0 disables.
-    async_save: bool = True  # Write checkpoints in the background; the step blocks only for the copy.
-    resume_from: str = "latest"  # 'latest', 'latest_verified', 'none' (fresh; refuses a non-empty workdir) or a step.
-    preemption_grace_secs: float = 60.0  # After a preemption decision the save must commit within this, else exit 1.
-    watchdog_secs: float = 600.0  # Longest a step, restore or save may block before the process exits 1.
-    lease_secs: float = 60.0  # The workdir lease expires this long after its last renewal (renewed every quarter).
+    workdir: str = option("", "Checkpoints, verdicts and metrics live here (local path or gs://).")
+    model: str = option("mlp", "mlp, transformer, or your own: package.module:name naming a "
+                               "trainer.models.ModelSpec (see the README).")
+    steps: int = option(100, "Total optimizer steps of the run; a resume continues up to this step.", minimum=1)
+    mesh: tuple[tuple[str, int], ...] = option(
+        (), "Axis sizes by name, e.g. data=4,model=2; a missing axis is 1; the product must equal the "
+            "device count. Empty: data=<all devices>.")
+    batch_size: int = option(64, "Global batch, split over the 'data' axis.", minimum=1)
+    learning_rate: float = option(1e-2, "Adam step size.", positive=True)
+    seed: int = option(0, "Base of every random draw: the init key and the fold_in(seed, step) batches.")
+    log_every_steps: int = option(10, "Losses are pulled to the host (and logged) at this cadence.", minimum=1)
+    input_dim: int = option(16, "mlp: features per example.", minimum=1)
+    hidden_dim: int = option(64, "mlp: hidden width; transformer: model width (d_model).", minimum=1)
+    num_layers: int = option(2, "mlp: hidden layers; transformer: decoder blocks.", minimum=1)
+    num_heads: int = option(4, "transformer: attention heads (must divide --hidden_dim).", minimum=1)
+    seq_len: int = option(32, "transformer: tokens per example.", minimum=1)
+    vocab_size: int = option(64, "transformer: token vocabulary.", minimum=2)
+    watchdog_secs: float = option(600.0, "Longest a step, restore or save may block before the process exits 1.",
+                                  positive=True)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes by name, every axis of MESH_AXES present (a missing axis is 1)."""
@@ -63,18 +58,30 @@ class TrainConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def to_json(self) -> dict:
-        fields = dataclasses.asdict(self)
+        """Flat, as every manifest has recorded it: the checkpoint fields beside the others."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "checkpoint"}
         fields["mesh"] = dict(self.mesh)
-        return fields
+        return {**fields, **dataclasses.asdict(self.checkpoint)}
+
+    @classmethod
+    def from_flat(cls, fields: dict) -> "TrainConfig":
+        """A config from one flat namespace of field names (flags, a manifest); unknown names are an error."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"checkpoint"}
+        theirs = {f.name for f in dataclasses.fields(CheckpointConfig)}
+        unknown = sorted(set(fields) - own - theirs)
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        checkpoint = CheckpointConfig(**{k: v for k, v in fields.items() if k in theirs})
+        return cls(**{k: v for k, v in fields.items() if k in own}, checkpoint=checkpoint)
 
     @classmethod
     def from_json(cls, fields: dict) -> "TrainConfig":
-        """The inverse of to_json (e.g. the config a manifest recorded); unknown fields are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        return cls(**{**fields, "mesh": tuple(dict(fields.get("mesh", {})).items())})
+        """The inverse of to_json (e.g. the config a manifest recorded)."""
+        return cls.from_flat({**fields, "mesh": tuple(dict(fields.get("mesh", {})).items())})
+
+    def replace(self, **changes) -> "TrainConfig":
+        """dataclasses.replace over the flat namespace: checkpoint fields may be named directly."""
+        return TrainConfig.from_flat({**self.to_json(), "mesh": self.mesh, **changes})
 
 
 # Fields that shape the state or the computed numbers; the mesh, step count, cadences and
@@ -83,22 +90,6 @@ FIXED_FIELDS = (
     "model", "batch_size", "learning_rate", "seed", "input_dim", "hidden_dim", "num_layers",
     "num_heads", "seq_len", "vocab_size",
 )
-
-
-AUTO = "auto"
-
-
-def parse_save_every_secs(value) -> float | str:
-    """'auto', or a number of seconds >= 0 (finite); anything else is a ConfigError naming it."""
-    if isinstance(value, str) and value.strip() == AUTO:
-        return AUTO
-    try:
-        secs = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"--save_every_secs must be a number of seconds or 'auto', got {value!r}") from None
-    if not 0 <= secs < float("inf"):
-        raise ConfigError(f"--save_every_secs must be >= 0 seconds or 'auto', got {value!r}")
-    return secs
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -118,38 +109,16 @@ def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
 
 
 def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:
-    """Checks the config against itself and the visible devices; returns it with the mesh filled in.
+    """Checks the config against itself, its model and the visible devices; returns it with the mesh
+    filled in and --save_every_secs parsed.
 
     A reader of someone else's workdir (the verifier) passes check_workdir=False: it must not probe it.
     """
-    if config.model not in MODELS:
-        raise ConfigError(f"--model: unknown model {config.model!r}; choose one of {', '.join(MODELS)}")
-    for name in ("steps", "batch_size", "log_every_steps", "input_dim", "hidden_dim", "num_layers",
-                 "num_heads", "seq_len", "vocab_size", "max_to_keep"):
-        if getattr(config, name) < 1:
-            raise ConfigError(f"--{name} must be positive, got {getattr(config, name)}")
-    for name in ("preemption_grace_secs", "watchdog_secs", "lease_secs"):
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(config, name)}")
-    if config.save_every_secs != AUTO:
-        config = dataclasses.replace(config, save_every_secs=parse_save_every_secs(config.save_every_secs))
-    if not 0 < config.max_save_overhead <= 1:
-        raise ConfigError(f"--max_save_overhead must be in (0, 1], got {config.max_save_overhead}")
-    if not config.max_save_interval_secs > 0:
-        raise ConfigError(f"--max_save_interval_secs must be positive, got {config.max_save_interval_secs}")
-    for name in ("save_every_steps", "keep_every_steps"):
-        if getattr(config, name) < 0:
-            raise ConfigError(f"--{name} must be >= 0, got {getattr(config, name)}")
-    if not config.learning_rate > 0:
-        raise ConfigError(f"--learning_rate must be positive, got {config.learning_rate}")
-    if config.model == "transformer" and config.hidden_dim % config.num_heads:
-        raise ConfigError(f"--num_heads={config.num_heads} does not divide --hidden_dim={config.hidden_dim}")
-    if config.resume_from not in ("latest", "latest_verified", "none") and not (
-        config.resume_from.isdigit()
-    ):
-        raise ConfigError(
-            f"--resume_from must be latest, latest_verified, none or a step number, got {config.resume_from!r}"
-        )
+    from trainer import models  # the model registry imports this module for TrainConfig
+
+    check_fields(config)
+    config = dataclasses.replace(config, checkpoint=config.checkpoint.validated())
+    models.resolve(config.model).check_config(config)
     if not config.mesh:
         config = dataclasses.replace(config, mesh=(("data", device_count),))
     check_mesh(config.mesh, device_count)
@@ -160,6 +129,7 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
         )
     if check_workdir:
         validate_workdir(config.workdir)
+    workdir_lib.expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
     return config
 
 
@@ -169,10 +139,6 @@ def check_mesh(mesh: tuple[tuple[str, int], ...], device_count: int) -> None:
         total *= size
     if mesh and total != device_count:
         raise ConfigError(f"--mesh={format_mesh(mesh)} has {total} devices but {device_count} are visible")
-
-
-def format_mesh(mesh: tuple[tuple[str, int], ...]) -> str:
-    return ",".join(f"{name}={size}" for name, size in mesh)
 
 
 def validate_workdir(workdir: str) -> None:

@@ -67,8 +67,8 @@ class Verifier:
         key = manifest["fixed_hash"]
         if key not in self._programs:
             config = TrainConfig.from_json(manifest["config"])
-            config = validate(dataclasses.replace(config, workdir=self.options.workdir, mesh=self.options.mesh,
-                                                  resume_from="latest"), jax.device_count(), check_workdir=False)
+            config = validate(config.replace(workdir=self.options.workdir, mesh=self.options.mesh,
+                                         resume_from="latest"), jax.device_count(), check_workdir=False)
             program = build_program(config, build_mesh(config))
             self._programs[key] = (program, CheckpointService(self.options.workdir, read_only=True))
         return self._programs[key]
@@ -91,12 +91,14 @@ class Verifier:
             return self._verdict(step, manifest, "intact", "fail", str(err), durations, mismatch=_leaf_mismatch(err))
         except CheckpointError as err:
             if step not in committed_steps(self.options.workdir):
-                return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})", durations)
+                return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})",
+                                     durations)
             return self._verdict(step, manifest, "intact", "fail", str(err), durations)
         durations["restore"] = time.perf_counter() - started
         problem = _intact_problem(step, state)
         if problem:
-            return self._verdict(step, manifest, "intact", "fail", problem.detail, durations, mismatch=problem.as_dict())
+            return self._verdict(step, manifest, "intact", "fail", problem.detail, durations,
+                                 mismatch=problem.as_dict())
         intact = self._verdict(step, manifest, "intact", "pass",
                                f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
                                complete=False)
@@ -117,9 +119,11 @@ class Verifier:
                                  durations)
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
-        replayed_state, replayed = loop.replay_losses(program, self._copy(anchor.state, manifest['fixed_hash'], program), anchor.step, count)
+        start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
+        replayed_state, replayed = loop.replay_losses(program, start_state, anchor.step, count)
         durations["replay"] = time.perf_counter() - started
-        mismatch, largest = compare.compare_losses(replayed, recorded, tolerances.loss_rtol(program.config.model, exact))
+        rtol = tolerances.loss_rtol(program.config.model, exact)
+        mismatch, largest = compare.compare_losses(replayed, recorded, rtol)
         level = "reproduced" if count == distance else "replayed"
         common = dict(max_difference=largest, replayed_from=anchor.step, replayed=count, compared=len(recorded))
         how = "bit-exact" if exact else f"max rel diff {largest:.2e}"

@@ -17,9 +17,15 @@ from checkpointing import verdicts
 from checkpointing.service import committed_steps
 from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
-from trainer.config import ConfigError, check_mesh, parse_mesh
-from trainer.flags import MESH, WORKDIR
+from checkpointing.config import ConfigError
+from trainer.config import check_mesh, parse_mesh
 from trainer.verifier import Verifier, VerifierOptions
+
+# The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
+# (--steps, --batch_size, ...) given here is an unknown flag, exit 2, never silently ignored.
+WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's workdir to verify (local path or gs://); read only.")
+MESH = flags.DEFINE_string("mesh", "", "The verifier's own mesh, e.g. data=2; the product must equal this "
+                           "process's device count. Empty: data=<all devices>.")
 
 FOLLOW = flags.DEFINE_boolean("follow", False, "Verify steps as they are committed, until the run is done.")
 ONCE = flags.DEFINE_boolean("once", False, "Verify the pending steps and exit.")

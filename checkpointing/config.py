@@ -1,0 +1,105 @@
+"""What checkpointing needs to know about a run: cadence, retention, resume and deadlines.
+
+Owned here and composed into the trainer's config (`TrainConfig.checkpoint`), as levanter's
+CheckpointerConfig is. Each field carries its help text and bounds as metadata (`option`): the
+trainer's flags are generated from it and `check_fields` validates it, so each lives once.
+"""
+
+import dataclasses
+import math
+from typing import Iterable, Mapping
+
+AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/policy.py)
+RESUME_NAMES = ("latest", "latest_verified", "none")
+
+
+def format_mesh(mesh: Mapping[str, int] | Iterable[tuple[str, int]]) -> str:
+    """'data=4,model=2': how a mesh (a manifest's dict, or a config's axis pairs) reads in flags and logs."""
+    return ",".join(f"{axis}={size}" for axis, size in (mesh.items() if isinstance(mesh, Mapping) else mesh))
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag and the value."""
+
+
+def option(default, help_text: str, *, minimum: float | None = None, positive: bool = False,
+           maximum: float | None = None):
+    """A config field with its flag help and its bounds (minimum and maximum inclusive)."""
+    return dataclasses.field(default=default, metadata={"help": help_text, "minimum": minimum, "positive": positive,
+                                                        "maximum": maximum})
+
+
+def check_fields(config) -> None:
+    """Checks every numeric field of a config dataclass against the bounds in its metadata."""
+    for field in dataclasses.fields(config):
+        value, meta = getattr(config, field.name), field.metadata
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"--{field.name} must be a finite number, got {value}")
+        if meta.get("positive") and not value > 0:
+            raise ConfigError(f"--{field.name} must be positive, got {value}")
+        if meta.get("minimum") is not None and not value >= meta["minimum"]:
+            raise ConfigError(f"--{field.name} must be >= {meta['minimum']}, got {value}")
+        if meta.get("maximum") is not None and not value <= meta["maximum"]:
+            raise ConfigError(f"--{field.name} must be <= {meta['maximum']}, got {value}")
+
+
+def parse_save_every_secs(value) -> float | str:
+    """'auto', or a number of seconds >= 0 (finite); anything else is a ConfigError naming it."""
+    if isinstance(value, str) and value.strip() == AUTO:
+        return AUTO
+    try:
+        secs = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--save_every_secs must be a number of seconds or 'auto', got {value!r}") from None
+    if not 0 <= secs < float("inf"):
+        raise ConfigError(f"--save_every_secs must be >= 0 seconds or 'auto', got {value!r}")
+    return secs
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    save_every_steps: int = option(0, "Save when the step is a multiple of this; 0 disables.", minimum=0)
+    save_every_secs: float | str = option(
+        0.0, "Also save when this long has passed since the last save; 0 disables; 'auto': the interval "
+        "that maximises goodput (Young/Daly, from measured save costs and interruptions).")
+    max_save_overhead: float = option(0.02, "--save_every_secs=auto: saves cost at most this fraction of the time.",
+                                      positive=True, maximum=1)
+    max_save_interval_secs: float = option(3600.0, "--save_every_secs=auto: the longest interval between saves.",
+                                           positive=True)
+    max_to_keep: int = option(5, "Newest committed checkpoints kept (milestones and the newest reproduced step "
+                                 "are kept aside).", minimum=1)
+    keep_every_steps: int = option(0, "Steps that are multiples of this are kept forever; 0 disables.", minimum=0)
+    async_save: bool = option(True, "Write checkpoints in the background; the step blocks only for the copy.")
+    resume_from: str = option("latest", "latest | latest_verified | none (fresh; refuses a workdir with "
+                                        "checkpoints) | STEP (see trainer/checkpoints.py).")
+    preemption_grace_secs: float = option(60.0, "After a preemption decision the save must commit within this "
+                                                "many seconds, else exit 1.", positive=True)
+    local_dir: str = option("", "Each host's own fast storage (RAM disk, local SSD) for the local tier; '{process}' "
+                                "expands to the process index (needed when processes share a machine). Empty: no "
+                                "local tier.")
+    local_save_every_steps: int = option(0, "Save to --local_dir when the step is a multiple of this; 0: only at "
+                                            "a preemption.", minimum=0)
+    local_max_to_keep: int = option(2, "Newest local steps each host keeps.", minimum=1)
+    lease_secs: float = option(60.0, "The workdir lease expires this long after its holder's last renewal "
+                                     "(renewed every quarter): a restart after a kill on another host waits "
+                                     "at most this.", positive=True)
+
+    def validated(self) -> "CheckpointConfig":
+        """This config checked against itself, with --save_every_secs parsed; a ConfigError names the flag."""
+        config = dataclasses.replace(self, save_every_secs=parse_save_every_secs(self.save_every_secs))
+        check_fields(config)
+        if config.resume_from not in RESUME_NAMES and not config.resume_from.isdigit():
+            raise ConfigError(f"--resume_from must be latest, latest_verified, none or a step number, "
+                              f"got {config.resume_from!r}")
+        if config.local_save_every_steps and not config.local_dir:
+            raise ConfigError("--local_save_every_steps needs --local_dir")
+        if "://" in config.local_dir:
+            raise ConfigError(f"--local_dir={config.local_dir} must be a path on this host's own disk")
+        return config
+
+    @property
+    def fixed_save_every_secs(self) -> float:
+        """The time cadence when it is fixed; 0 under 'auto' (the trainer's AutoInterval decides)."""
+        return 0.0 if self.save_every_secs == AUTO else float(self.save_every_secs)
