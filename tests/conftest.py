@@ -1,4 +1,4 @@
-"""Eight fake CPU devices, set before JAX is imported anywhere in the test process."""
+"""Eight fake CPU devices, set before JAX is imported anywhere in the test process; shared fixtures."""
 
 import os
 
@@ -7,8 +7,18 @@ os.environ["XLA_FLAGS"] = " ".join(
 ) + " --xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
+
+from tests import helpers  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,3 +31,83 @@ def eight_devices():
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path / "run")
+
+
+@pytest.fixture
+def no_job_id(monkeypatch):
+    """No scheduler job id in this process's environment (nor, through helpers.subprocess_env, in the
+    trainers it starts): with one, every trainer of a lease test would be "the same job"."""
+    from checkpointing import lease as lease_lib
+
+    for name in lease_lib.JOB_ID_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory):
+    """trained_runs(**overrides) -> the workdir of loop.train(helpers.small_config(.., **overrides)),
+    trained once per session for each distinct set of overrides. Read only: tests use `trained_copy`."""
+    from trainer import loop
+
+    runs: dict[tuple, str] = {}
+
+    def run(**overrides) -> str:
+        key = tuple(sorted(overrides.items()))
+        if key not in runs:
+            workdir = str(tmp_path_factory.mktemp("trained") / "run")
+            loop.train(helpers.small_config(workdir, **overrides))
+            runs[key] = workdir
+        return runs[key]
+
+    return run
+
+
+@pytest.fixture
+def trained_copy(trained_runs, tmp_path):
+    """trained_copy(dest=None, **overrides) -> the config of a fresh copy of that trained run at `dest`
+    (default <tmp_path>/run), the test's own to change."""
+
+    def copy(dest: str | None = None, **overrides):
+        dest = dest or str(tmp_path / "run")
+        shutil.copytree(trained_runs(**overrides), dest)
+        return helpers.small_config(dest, **overrides)
+
+    return copy
+
+
+@pytest.fixture(scope="module")
+def gcs_env():
+    """A GCS-protocol server on 127.0.0.1 (tests/gcs_emulator.py), stopped by PID: the environment
+    that points TensorStore and gcsfs at it, also set in os.environ while the module runs."""
+    if importlib.util.find_spec("gcp_storage_emulator") is None or importlib.util.find_spec("gcsfs") is None:
+        pytest.skip("gcp-storage-emulator and gcsfs are not installed (pip install -e .[dev]); CI installs them")
+    from launch.pod import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "tests.gcs_emulator", f"--port={port}",
+                               f"--bucket={helpers.BUCKET}"], cwd=helpers.REPO_ROOT, env=helpers.subprocess_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "/", timeout=1)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the GCS emulator did not start"
+                time.sleep(0.1)
+        env = {"TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url, "GOOGLE_CLOUD_PROJECT": "test",
+               # The emulator has no bucket-type (gRPC control) API: gcsfs would wait 60 s per bucket.
+               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # for the in-process reads of the tests (gcsfs, epath)
+        yield env
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)

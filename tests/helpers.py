@@ -1,11 +1,13 @@
 """Shared test helpers: configs, meshes, and real subprocesses that are always reaped."""
 
 import contextlib
-import dataclasses
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -13,6 +15,14 @@ import numpy as np
 from trainer.config import TrainConfig, validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+BUCKET = "ckpt-tests"  # the GCS emulator's bucket (conftest.gcs_env)
+# helpers.small_config's run from the command line (saving every 10 steps).
+SMALL_FLAGS = ["--mesh=data=4,model=2", "--batch_size=32", "--log_every_steps=5", "--save_every_steps=10"]
+
+# The runs most slow tests share (conftest.trained_copy), with "steps" added: helpers.small_config
+# saving every 10 steps and deleting none. Each is trained once per session.
+SHARED_RUN = {"save_every_steps": 10, "max_to_keep": 100}
 
 MESHES = {
     "data=8": (("data", 8),),
@@ -26,8 +36,8 @@ def small_config(workdir: str, model: str = "mlp", mesh: str = "data=4,model=2",
     """A config small enough for a unit test; transformer sizes shrunk to keep CPU time low."""
     sizes = {"seq_len": 16, "hidden_dim": 32} if model == "transformer" else {}
     sizes.update(overrides)
-    config = dataclasses.replace(TrainConfig(workdir=workdir, model=model, mesh=MESHES[mesh],
-                                             batch_size=32, log_every_steps=5), **sizes)
+    config = TrainConfig.from_flat({"workdir": workdir, "model": model, "mesh": MESHES[mesh], "batch_size": 32,
+                                    "log_every_steps": 5, **sizes})
     return validate(config, jax.device_count())
 
 
@@ -63,7 +73,8 @@ def started_module(module: str, *flags: str, device_count: int = 8, log_path: st
 
 
 def leaves_by_path(tree) -> dict[str, np.ndarray]:
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
 
 
 def leaves_equal(a, b) -> bool:
@@ -81,8 +92,10 @@ def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
 
 
 def checkpoint_dir(workdir: str, name: str = "") -> str:
-    """<workdir>/checkpoints[/name]: where Orbax keeps the steps of a run."""
-    return os.path.join(workdir, "checkpoints", name) if name else os.path.join(workdir, "checkpoints")
+    """<workdir>/checkpoints[/name]: where Orbax keeps the steps of a run (name: a step or a tmp dir)."""
+    from checkpointing import workdir as workdir_lib
+
+    return str(workdir_lib.checkpoints_dir(workdir) / name) if name else str(workdir_lib.checkpoints_dir(workdir))
 
 
 def run_python(script: str, device_count: int = 8, timeout: float = 300, **env):
@@ -122,8 +135,10 @@ def committed_snapshot(workdir: str) -> dict[int, dict[str, str]]:
 
 def assert_committed_intact(before: dict[int, dict[str, str]], workdir: str) -> None:
     """Every step committed `before` is still committed with the same bytes, or moved whole to superseded/."""
+    from checkpointing import workdir as workdir_lib
+
     now = committed_snapshot(workdir)
-    superseded = os.path.join(workdir, "superseded")
+    superseded = str(workdir_lib.superseded_dir(workdir))
     moved = {name.split("-")[0]: snapshot(os.path.join(superseded, name))
              for name in (os.listdir(superseded) if os.path.isdir(superseded) else []) if "verdict" not in name}
     for step, files in before.items():
@@ -138,10 +153,80 @@ def fault_line(result, code: int) -> str:
     return lines[-1]
 
 
-def assert_refused(result, before: dict[str, str] | None, watched: str, *expected: str) -> None:
-    """Bad input: exit 2, exactly one `error:` line on stderr containing every `expected` text, and
-    `watched` (the workdir, or the directory that would hold it) exactly as `before` (a snapshot)."""
-    line = fault_line(result, 2)
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
-    assert line.startswith("error: ") and all(text in line for text in expected), line
-    assert snapshot(watched) == before, f"{watched} changed"
+def gs_workdir(name: str) -> str:
+    """A fresh workdir in the emulator's bucket."""
+    return f"gs://{BUCKET}/{name}-{time.monotonic_ns()}"
+
+
+# --- bad input: exit 2, one line, nothing changed ---------------------------------------------------
+
+DiskState = dict[str, "dict[str, tuple[int, int] | str] | None"]
+
+
+def disk_state(*paths: str) -> DiskState:
+    """{path: None if missing, else {relative path: (size, mtime_ns) of a file, or "dir"}} of each
+    path and everything under it. A directory's own mtime is left out: the trainer's writability
+    probe (a file created and deleted) moves it without changing anything a reader could see."""
+    state = {}
+    for path in paths:
+        if not os.path.isdir(path):
+            stat = os.lstat(path) if os.path.lexists(path) else None
+            state[path] = stat and {".": (stat.st_size, stat.st_mtime_ns)}
+            continue
+        found = {}
+        for root, dirs, files in os.walk(path):
+            found.update({os.path.relpath(os.path.join(root, name), path): "dir" for name in dirs})
+            for name in files:
+                stat = os.lstat(os.path.join(root, name))
+                found[os.path.relpath(os.path.join(root, name), path)] = (stat.st_size, stat.st_mtime_ns)
+        state[path] = found
+    return state
+
+
+def assert_refused(result, before: DiskState, *expected: str) -> str:
+    """Bad input: exit 2, stderr exactly one `error: ` line containing every `expected` text (no log
+    line before it: a refused run logs nothing), and every path of `before` (a disk_state taken before
+    the command) as it was, a missing one still missing. Returns the line."""
+    assert result.returncode == 2, f"exit {result.returncode}, expected 2:\n{result.stderr[-3000:]}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr:\n{result.stderr[-3000:]}"
+    assert lines[0].startswith("error: ") and all(text in lines[0] for text in expected), lines[0]
+    now = disk_state(*before)
+    assert now == before, f"changed on disk: {_difference(before, now)}"
+    return lines[0]
+
+
+def _difference(before: DiskState, now: DiskState) -> dict[str, str | list[str]]:
+    changed = {}
+    for path, was in before.items():
+        if now[path] != was:
+            changed[path] = ("created" if was is None else "deleted" if now[path] is None else
+                             sorted(name for name in {*was, *now[path]} if was.get(name) != now[path].get(name)))
+    return changed
+
+
+def run_in_process(main, *flag_args: str) -> subprocess.CompletedProcess:
+    """Runs an entry point's `main` as `python -m` would (runtime/entry.py: flags parsed, a bad one
+    exit 2; main's errors mapped to exit codes), in this process. The flags are unparsed again and
+    the hooks runtime.entry installs are put back, so each call starts alike."""
+    from absl import flags
+    from absl import logging as absl_logging
+
+    from runtime import entry, exit_codes
+
+    argv = ["main", *flag_args]
+    hooks = (sys.excepthook, threading.excepthook, sys.unraisablehook)
+    handler = absl_logging.get_absl_handler()
+    filters = list(handler.filters)
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            try:
+                code = entry.exit_code_of(main, exit_codes.parse_flags_or_exit(argv))
+            except SystemExit as exit_:
+                code = exit_.code or 0
+    finally:
+        flags.FLAGS.unparse_flags()
+        sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
+        handler.filters[:] = filters
+    return subprocess.CompletedProcess(argv, code, "", stderr.getvalue())

@@ -2,9 +2,9 @@
 
 Everything lives in one private directory under /tmp: a munge key, socket, pid, seed and log
 (munged runs as the `munge` user on its own socket, so a system munged is never touched),
-slurm.conf, slurmctld's state, slurmd's spool, both daemons' logs and pid files. Free TCP ports
-are picked for slurmctld and slurmd, the node is addressed as 127.0.0.1 (no name resolution
-needed), and every Slurm command gets SLURM_CONF pointing at the private slurm.conf. The three
+slurm.conf (tests/slurm_conf.py), slurmctld's state, slurmd's spool, both daemons' logs and pid
+files. Free TCP ports are picked for slurmctld and slurmd, the node is addressed as 127.0.0.1 (no
+name resolution needed), and every Slurm command gets SLURM_CONF pointing at the private slurm.conf. The three
 daemons run in the foreground as children of the test process and are stopped by PID
 (SIGTERM, then SIGKILL after a timeout).
 
@@ -24,6 +24,8 @@ import tempfile
 import time
 
 import psutil
+
+from tests import slurm_conf
 
 # Daemons and commands the cluster needs, and the Debian packages that provide them.
 BINARIES = {
@@ -55,12 +57,6 @@ def why_unavailable() -> str | None:
 
 def _binary(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class SlurmError(RuntimeError):
@@ -175,54 +171,6 @@ class SlurmCluster:
         os.chmod(self.munge_dir, 0o755)  # munged insists the socket's directory is searchable by all
         os.chmod(self.munge_private, 0o700)
 
-    def _write_slurm_conf(self) -> None:
-        for sub in ("state", "spool", "log", "run"):
-            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
-        plugstack = os.path.join(self.root, "plugstack.conf")
-        open(plugstack, "w").close()
-        r = self.root
-        conf = f"""\
-# Written by tests/slurm_cluster.py: a private single-node cluster.
-ClusterName=ckpttest
-SlurmctldHost={self.node}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
-StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/slurmd-%n
-SlurmctldPidFile={r}/run/slurmctld.pid
-SlurmdPidFile={r}/run/slurmd.pid
-SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-PlugStackConfig={plugstack}
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/builtin
-MpiDefault=none
-SwitchType=switch/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-ReturnToService=2
-JobRequeue=1
-KillWait=30
-MinJobAge=3600
-SlurmdParameters=config_overrides
-MailProg=/bin/true
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
-PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
-"""
-        with open(self.conf, "w") as f:
-            f.write(conf)
-
     def _spawn(self, name: str, command: list[str], **kwargs) -> None:
         log = open(os.path.join(self.log_dir, f"{name}.stdout"), "w")
         self._logs.append(log)
@@ -236,7 +184,7 @@ PartitionName=test Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
 
     def start(self, timeout: float = 60) -> None:
         self._write_munge_files()
-        self._write_slurm_conf()
+        slurm_conf.write(self.root, self.node, self.cpus, self.munge_socket)
         p = self.munge_private
         self._spawn("munged", [_binary("munged"), "--foreground", f"--socket={self.munge_socket}",
                                f"--key-file={p}/munge.key", f"--log-file={p}/munged.log",

@@ -1,4 +1,7 @@
-"""The checkpoint service on real Orbax and a real disk: restores, refusals, fingerprints, manifests."""
+"""The checkpoint service on real Orbax and a real disk: restores, refusals, manifests.
+
+Most tests get their own copy of one run trained once per session (RUN, conftest.trained_copy).
+"""
 
 import dataclasses
 import json
@@ -8,25 +11,33 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
+from checkpointing import workdir as workdir_lib
 from checkpointing.errors import (ConfigMismatchError, ManifestError, NoSuchCheckpointError,
                                   TreeMismatchError)
-from checkpointing.policy import SavePolicy
 from checkpointing.service import committed_steps, read_manifest
 from tests import helpers
+from trainer import tolerances
 from trainer import checkpoints, loop
 from trainer.program import build_mesh, build_program
-from trainer.step import CROSS_MESH_LOSS_RTOL
+
+
+pytestmark = pytest.mark.slow
+
+RUN = {**helpers.SHARED_RUN, "steps": 20}  # commits 10 (interval) and 20 (final)
 
 
 def trained_run(workdir, steps=20, save_every_steps=10, **overrides):
     config = helpers.small_config(workdir, steps=steps, save_every_steps=save_every_steps, max_to_keep=50, **overrides)
     return config, loop.train(config)
+
+
+@pytest.fixture
+def trained(trained_copy, workdir):
+    """This test's own copy of RUN, in `workdir`: its config."""
+    return trained_copy(workdir, **RUN)
 
 
 def restore_on(config, mesh_name, step):
@@ -50,19 +61,19 @@ def test_restore_same_mesh_is_bit_exact_and_keeps_one_executable(workdir, async_
 
 
 @pytest.mark.parametrize("mesh_name", ["data=8", "data=2,model=4"])
-def test_restore_onto_another_mesh_is_exact_and_continues_within_tolerance(workdir, mesh_name):
-    config, uninterrupted = trained_run(workdir)
+def test_restore_onto_another_mesh_is_exact_and_continues_within_tolerance(trained, mesh_name):
+    config, uninterrupted = trained, loop.read_metrics(trained.workdir)
     program, restored = restore_on(config, mesh_name, 10)  # restore() itself checks every fingerprint
     assert restored.state.params["Dense_0"]["kernel"].sharding.mesh.shape == program.mesh.shape
     saved_on_origin = restore_on(config, "data=4,model=2", 10)[1].state
     assert helpers.leaves_equal(restored.state, saved_on_origin)
     _, resumed = loop.replay_losses(program, restored.state, 10, 10)
-    expected = {s: uninterrupted.losses[s] for s in range(10, 20)}
-    assert helpers.max_relative_difference(resumed, expected) <= CROSS_MESH_LOSS_RTOL["mlp"]
+    expected = {s: uninterrupted[s] for s in range(10, 20)}
+    assert helpers.max_relative_difference(resumed, expected) <= tolerances.loss_rtol("mlp", exact=False)
 
 
-def test_restore_in_a_one_device_process(workdir):
-    config, uninterrupted = trained_run(workdir)
+def test_restore_in_a_one_device_process(trained):
+    config, uninterrupted = trained, loop.read_metrics(trained.workdir)
     script = textwrap.dedent(f"""
         import dataclasses, json
         from trainer import checkpoints, loop
@@ -79,13 +90,13 @@ def test_restore_in_a_one_device_process(workdir):
     result = helpers.run_python(script, device_count=1)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = {int(s): v for s, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
-    expected = {s: uninterrupted.losses[s] for s in range(10, 20)}
-    assert helpers.max_relative_difference(resumed, expected) <= CROSS_MESH_LOSS_RTOL["mlp"]
+    expected = {s: uninterrupted[s] for s in range(10, 20)}
+    assert helpers.max_relative_difference(resumed, expected) <= tolerances.loss_rtol("mlp", exact=False)
 
 
-def test_broken_resumes_are_caught_by_the_loss_list_not_the_first_loss(workdir):
+def test_broken_resumes_are_caught_by_the_loss_list_not_the_first_loss(workdir, trained):
     """Seed 003: a reset step index shows at once; zeroed Adam moments only from the second step."""
-    config, uninterrupted = trained_run(workdir)
+    config = trained
     recorded = manifest_lib.losses(read_manifest(workdir, 20))  # losses of steps 10..19
     program, restored = restore_on(config, "data=4,model=2", 10)
 
@@ -108,8 +119,8 @@ def test_broken_resumes_are_caught_by_the_loss_list_not_the_first_loss(workdir):
     assert without_moments != recorded and without_moments[11] != recorded[11]
 
 
-def test_a_changed_fixed_config_field_is_refused_by_name(workdir):
-    config, _ = trained_run(workdir)
+def test_a_changed_fixed_config_field_is_refused_by_name(trained):
+    config = trained
     wider = dataclasses.replace(config, hidden_dim=config.hidden_dim * 2)
     program = build_program(wider, build_mesh(wider))
     with pytest.raises(ConfigMismatchError, match="hidden_dim: checkpoint 64 vs this run 128"):
@@ -129,8 +140,8 @@ def _modified_target(abstract, edit):
                r"\.params\['Dense_0'\]\['bias'\] not in this program"),
     ("remove", r"\.params\['Dense_0'\]\['bias'\] not in this program"),
 ])
-def test_a_tree_mismatch_is_refused_naming_the_path(workdir, change, message):
-    config, _ = trained_run(workdir)
+def test_a_tree_mismatch_is_refused_naming_the_path(trained, change, message):
+    config = trained
     program = build_program(config, build_mesh(config))
     service = checkpoints.open_service(config, program)
     abstract = program.abstract_state
@@ -149,8 +160,8 @@ def test_a_tree_mismatch_is_refused_naming_the_path(workdir, change, message):
         service.restore(20, abstract.replace(params=params))
 
 
-def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_up(workdir):
-    config, _ = trained_run(workdir)
+def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_up(workdir, trained):
+    config = trained
     leftover = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
     shutil.copytree(helpers.checkpoint_dir(workdir, "20"), leftover)  # a full-looking step, never renamed
     assert committed_steps(workdir) == [10, 20]
@@ -202,16 +213,13 @@ def test_a_failed_background_save_leaves_the_previous_step_latest(workdir):
     assert int(restored.state.step) == 5
 
 
-def test_resume_from_none_refuses_a_workdir_with_checkpoints_and_deletes_nothing(workdir):
-    trained_run(workdir)
-    before = sorted(os.listdir(workdir))
+def test_resume_from_none_refuses_a_workdir_with_checkpoints_and_deletes_nothing(workdir, trained):
+    before = helpers.disk_state(workdir)
     result = helpers.run_module("trainer.train", f"--workdir={workdir}", "--mesh=data=4,model=2",
                                 "--batch_size=32", "--resume_from=none", "--steps=30")
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert helpers.assert_refused(result, before) == (
         f"error: --resume_from=none but {workdir} already has committed steps [10, 20]; "
-        "use a new --workdir or --resume_from=latest"]
-    assert sorted(os.listdir(workdir)) == before
+        "use a new --workdir or --resume_from=latest")
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -219,39 +227,16 @@ def test_resume_from_none_refuses_a_workdir_with_checkpoints_and_deletes_nothing
     ("--resume_from=10", "--resume_from=10: newer steps [20] exist and would be overwritten"),
     ("--hidden_dim=32", "hidden_dim: checkpoint 64 vs this run 32"),
 ])
-def test_bad_resumes_exit_2_naming_the_problem(workdir, flag, message):
-    trained_run(workdir)
+def test_bad_resumes_exit_2_naming_the_problem(workdir, trained, flag, message):
+    before = helpers.disk_state(workdir)
     result = helpers.run_module("trainer.train", f"--workdir={workdir}", "--mesh=data=4,model=2",
                                 "--batch_size=32", "--steps=30", flag)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    helpers.assert_refused(result, before, message)
     assert committed_steps(workdir) == [10, 20]
 
 
-def test_fingerprints_ignore_layout_and_see_every_bit_and_position():
-    mesh8 = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    mesh42 = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    host = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
-    layouts = [jax.device_put(host, NamedSharding(mesh8, P("x"))),
-               jax.device_put(host, NamedSharding(mesh8, P(None, "x"))),
-               jax.device_put(host, NamedSharding(mesh42, P("b", "a"))),
-               jax.device_put(host, NamedSharding(mesh42, P()))]
-    values = {fingerprint_lib.fingerprint_tree({"w": x})["['w']"] for x in layouts}
-    assert len(values) == 1
-    reference = values.pop()
-    flipped = host.copy()
-    flipped.view(np.uint32)[3, 5] ^= 1  # one bit of one element
-    swapped = host.copy()
-    swapped[[0, 1]] = swapped[[1, 0]]  # same values, other positions
-    for changed in (flipped, swapped, host.T.copy().reshape(16, 8)):
-        assert fingerprint_lib.fingerprint_tree({"w": jax.device_put(changed, layouts[0].sharding)})["['w']"] != reference
-    as_int = fingerprint_lib.fingerprint_tree({"s": jax.device_put(jnp.int32(7), NamedSharding(mesh8, P()))})
-    assert as_int != fingerprint_lib.fingerprint_tree({"s": jax.device_put(jnp.int32(8), NamedSharding(mesh8, P()))})
-
-
-def test_manifest_is_plain_json_validated_on_read(workdir):
-    config, _ = trained_run(workdir)
+def test_manifest_is_plain_json_validated_on_read(workdir, trained):
+    config = trained
     manifest = read_manifest(workdir, 20)
     assert manifest["step"] == 20 and manifest["reason"] == "final"
     assert sorted(manifest_lib.losses(manifest)) == list(range(10, 20))
@@ -262,7 +247,7 @@ def test_manifest_is_plain_json_validated_on_read(workdir):
         == manifest_lib.leaf_table(abstract)
     for root, _, files in os.walk(workdir):
         assert not [f for f in files if f.endswith((".pkl", ".pickle"))], root
-    path = os.path.join(helpers.checkpoint_dir(workdir, "20"), "manifest", "metadata")
+    path = str(workdir_lib.manifest_file(workdir, 20))
     for broken, message in [("{not json", "not valid JSON"),
                             (json.dumps({**manifest, "step": "20"}), "field 'step' must be int"),
                             (json.dumps({k: v for k, v in manifest.items() if k != "leaves"}), "missing field")]:
@@ -272,28 +257,14 @@ def test_manifest_is_plain_json_validated_on_read(workdir):
             read_manifest(workdir, 20)
 
 
-def test_restore_of_a_step_that_is_not_committed_is_refused(workdir):
-    config, _ = trained_run(workdir)
+def test_restore_of_a_step_that_is_not_committed_is_refused(trained):
+    config = trained
     with pytest.raises(NoSuchCheckpointError, match="step 15 is not a committed checkpoint"):
         restore_on(config, "data=4,model=2", 15)
 
 
-def test_save_policy_reasons_with_an_injected_clock():
-    now = [0.0]
-    policy = SavePolicy(save_every_steps=10, save_every_secs=30, clock=lambda: now[0])
-    assert policy.reason(3) is None
-    assert policy.reason(10) == "interval"
-    assert policy.reason(11, preempted=True) == "preemption"
-    assert policy.reason(12, final=True) == "final"
-    now[0] = 31.0
-    assert policy.reason(13) == "time"
-    policy.saved()
-    assert policy.reason(14) is None
-    assert SavePolicy(save_every_steps=0).reason(10) is None
-
-
-def test_inspect_lists_committed_steps_and_prints_losses(workdir):
-    trained_run(workdir, steps=30)
+def test_inspect_lists_committed_steps_and_prints_losses(workdir, trained_copy):
+    trained_copy(workdir, **{**RUN, "steps": 30})
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
     assert table.returncode == 0, table.stderr
     rows = table.stdout.strip().splitlines()

@@ -1,6 +1,8 @@
 """Fingerprints: the same for any layout, different for any flipped bit, moved value or swapped leaf.
 
-In-process and fast: small arrays on the 8 fake CPU devices of conftest.
+In-process: small arrays on the 8 fake CPU devices of conftest. Every layout of every dtype
+compiles the fingerprint 17 times a dtype (slow); the fast tier checks the pinned values of every
+dtype on one layout, and four layouts of one array.
 """
 
 import jax
@@ -88,12 +90,18 @@ def reference(host: np.ndarray) -> int:
         return (int(h.sum(dtype=np.uint32)) << 32) | int((h * h).sum(dtype=np.uint32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", VALUES)
 def test_equal_on_every_mesh_and_one_device_and_pinned(dtype):
     host = VALUES[dtype]
     values = {fingerprint(x) for x in layouts(host)}
     assert values == {GOLDEN[dtype]}, "a layout changed the fingerprint, or the fingerprint itself changed"
     assert GOLDEN[dtype] == reference(host)
+
+
+@pytest.mark.parametrize("dtype", VALUES)
+def test_pinned_on_one_layout(dtype):
+    assert fingerprint(on_mesh(VALUES[dtype])) == GOLDEN[dtype] == reference(VALUES[dtype])
 
 
 @pytest.mark.parametrize("dtype", VALUES)
@@ -129,3 +137,25 @@ def test_the_dtype_is_left_to_the_leaf_table():
 def test_unsupported_dtype_is_refused():
     with pytest.raises(TypeError, match="cannot fingerprint dtype complex64"):
         fingerprint(on_mesh(VALUES["float32"].astype(np.complex64)))
+
+
+def test_fingerprints_ignore_layout_and_see_every_bit_and_position():
+    mesh8 = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh42 = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    host = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    layouts = [jax.device_put(host, NamedSharding(mesh8, P("x"))),
+               jax.device_put(host, NamedSharding(mesh8, P(None, "x"))),
+               jax.device_put(host, NamedSharding(mesh42, P("b", "a"))),
+               jax.device_put(host, NamedSharding(mesh42, P()))]
+    values = {fingerprint_lib.fingerprint_tree({"w": x})["['w']"] for x in layouts}
+    assert len(values) == 1
+    reference = values.pop()
+    flipped = host.copy()
+    flipped.view(np.uint32)[3, 5] ^= 1  # one bit of one element
+    swapped = host.copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # same values, other positions
+    for changed in (flipped, swapped, host.T.copy().reshape(16, 8)):
+        changed = jax.device_put(changed, layouts[0].sharding)
+        assert fingerprint_lib.fingerprint_tree({"w": changed})["['w']"] != reference
+    as_int = fingerprint_lib.fingerprint_tree({"s": jax.device_put(jnp.int32(7), NamedSharding(mesh8, P()))})
+    assert as_int != fingerprint_lib.fingerprint_tree({"s": jax.device_put(jnp.int32(8), NamedSharding(mesh8, P()))})

@@ -1,16 +1,12 @@
 """gs:// workdirs against a real GCS-protocol server on 127.0.0.1 (gcp-storage-emulator).
 
-The server is started by this module (tests/gcs_emulator.py) and stopped by PID; TensorStore
+The server is started by conftest.gcs_env (tests/gcs_emulator.py) and stopped by PID; TensorStore
 and gcsfs reach it through TENSORSTORE_GCS_HTTP_URL and STORAGE_EMULATOR_HOST.
 """
 
-import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
@@ -18,48 +14,7 @@ from tests import helpers
 
 pytestmark = pytest.mark.slow
 
-BUCKET = "ckpt-tests"
 TRAIN = ["--mesh=data=4,model=2", "--batch_size=32", "--save_every_steps=10", "--log_every_steps=10"]
-
-
-@pytest.fixture(scope="module")
-def gcs_env():
-    if importlib.util.find_spec("gcp_storage_emulator") is None or importlib.util.find_spec("gcsfs") is None:
-        pytest.skip("gcp-storage-emulator and gcsfs are not installed (pip install -e .[dev]); CI installs them")
-    from launch.pod import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "tests.gcs_emulator", f"--port={port}", f"--bucket={BUCKET}"],
-                              cwd=helpers.REPO_ROOT, env=helpers.subprocess_env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the GCS emulator did not start"
-                time.sleep(0.1)
-        env = {"TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url, "GOOGLE_CLOUD_PROJECT": "test",
-               # The emulator has no bucket-type (gRPC control) API: gcsfs would wait 60 s per bucket.
-               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)  # for the in-process reads below (gcsfs, epath)
-        yield env
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=30)
-
-
-def gs_workdir(name: str) -> str:
-    return f"gs://{BUCKET}/{name}-{time.monotonic_ns()}"
 
 
 def run(module, *flags, gcs_env, device_count=8):
@@ -72,7 +27,7 @@ def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     from checkpointing.report import recorded_losses
     from checkpointing.service import committed_steps
 
-    workdir = gs_workdir("run")
+    workdir = helpers.gs_workdir("run")
     result = run("trainer.train", f"--workdir={workdir}", "--steps=40", "--max_to_keep=2", *TRAIN, gcs_env=gcs_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert committed_steps(workdir) == [30, 40], "retention keeps the newest two"
@@ -113,7 +68,7 @@ def test_kill_9_during_an_async_save_on_gcs_never_lists_that_step_and_the_resume
     from checkpointing.report import recorded_losses
     from checkpointing.service import committed_steps
 
-    workdir = gs_workdir("killed")
+    workdir = helpers.gs_workdir("killed")
     flags = [f"--workdir={workdir}", "--steps=60", "--max_to_keep=100", *TRAIN, "--hidden_dim=256"]
     killed_step = None
     with helpers.started_module("trainer.train", *flags, log_path=str(tmp_path / "killed.log"), **gcs_env) as proc:
@@ -139,7 +94,7 @@ def test_kill_9_during_an_async_save_on_gcs_never_lists_that_step_and_the_resume
 def test_follow_verifier_over_gcs(gcs_env, tmp_path):
     from checkpointing import verdicts
 
-    workdir = gs_workdir("follow")
+    workdir = helpers.gs_workdir("follow")
     with helpers.started_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",
                                 "--poll_secs=0.2", "--max_poll_secs=1", device_count=2,
                                 log_path=str(tmp_path / "verifier.log"), **gcs_env) as verifier:

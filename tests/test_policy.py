@@ -79,3 +79,17 @@ def test_nan_inputs_never_disable_saving(cost, mtbi):
     # A NaN interval would make `elapsed >= interval` always false: never save. The bound must win.
     interval = young_daly_interval(cost, mtbi, step_secs=0.1, max_overhead=0.02, max_interval_secs=900.0)
     assert interval <= 900.0
+
+
+def test_save_policy_reasons_with_an_injected_clock():
+    now = [0.0]
+    policy = SavePolicy(save_every_steps=10, save_every_secs=30, clock=lambda: now[0])
+    assert policy.reason(3) is None
+    assert policy.reason(10) == "interval"
+    assert policy.reason(11, preempted=True) == "preemption"
+    assert policy.reason(12, final=True) == "final"
+    now[0] = 31.0
+    assert policy.reason(13) == "time"
+    policy.saved()
+    assert policy.reason(14) is None
+    assert SavePolicy(save_every_steps=0).reason(10) is None

@@ -1,0 +1,101 @@
+"""Verdicts in-process on hand-built JSON: the atomic write, the schema on read, and which verdicts
+may anchor a proof or a resume (`is_reproduced`)."""
+
+import json
+import os
+
+import pytest
+
+from checkpointing import verdicts
+from checkpointing import workdir as workdir_lib
+from checkpointing.errors import CheckpointError, ManifestError
+
+
+def verdict(step: int, level: str = "reproduced", status: str = "pass", **fields) -> dict:
+    return verdicts.make(step=step, level=level, status=status, detail=f"step {step}: test",
+                         checkpoint_mesh={"data": 4, "model": 2}, verifier_mesh={"data": 2},
+                         durations_secs={"restore": 0.123456}, **fields)
+
+
+def test_write_then_read_round_trips_and_leaves_only_the_verdict(tmp_path):
+    workdir = str(tmp_path)
+    written = verdict(10, replayed_from=0, replayed_steps=10, compared_losses=10, max_relative_difference=0.0)
+    verdicts.write(workdir, written)
+    assert verdicts.read(workdir, 10) == written
+    assert written["durations_secs"] == {"restore": 0.1235} and written["complete"] is True
+    assert os.listdir(workdir_lib.verdicts_dir(workdir)) == ["10.json"], "no tmp file left behind"
+    assert verdicts.read(workdir, 20) is None
+
+
+def test_a_rewrite_replaces_the_whole_file(tmp_path):
+    workdir = str(tmp_path)
+    verdicts.write(workdir, verdict(10, level="intact", complete=False))
+    verdicts.write(workdir, verdict(10))
+    assert (verdicts.read(workdir, 10)["level"], verdicts.read(workdir, 10)["complete"]) == ("reproduced", True)
+    assert os.listdir(workdir_lib.verdicts_dir(workdir)) == ["10.json"]
+
+
+def test_a_failed_write_is_one_error_naming_the_step_and_leaves_no_tmp_file(tmp_path):
+    workdir = str(tmp_path)
+    os.makedirs(workdir_lib.verdict_file(workdir, 10))  # a directory where the file goes: the rename fails
+    with pytest.raises(CheckpointError, match=r"^verdict of step 10: cannot write .*/verdicts/10\.json: "):
+        verdicts.write(workdir, verdict(10))
+    assert os.listdir(workdir_lib.verdicts_dir(workdir)) == ["10.json"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "verdict of step 10: not valid JSON"),
+    ("[]", "verdict of step 10: not a JSON object"),
+    (json.dumps({"step": 10}), "verdict of step 10: field 'level' must be str"),
+])
+def test_a_damaged_verdict_is_refused_on_read(tmp_path, text, message):
+    workdir = str(tmp_path)
+    path = workdir_lib.verdict_file(workdir, 10)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(ManifestError, match=f"^{message}"):
+        verdicts.read(workdir, 10)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda v: v.update(level="proved"), "bad level/status 'proved'/'pass'"),
+    (lambda v: v.update(status="ok"), "bad level/status 'reproduced'/'ok'"),
+    (lambda v: v.update(step=True), "field 'step' must be int"),
+    (lambda v: v.update(complete=1), "field 'complete' must be bool"),
+    (lambda v: v.pop("verified_at"), "field 'verified_at' must be str"),
+])
+def test_the_schema_names_what_is_wrong(edit, message):
+    broken = verdict(10)
+    edit(broken)
+    with pytest.raises(ManifestError, match=f"^verdict: {message}"):
+        verdicts.validate(broken)
+
+
+@pytest.mark.parametrize("level, status, complete, reproduced", [
+    ("reproduced", "pass", True, True),
+    ("reproduced", "fail", True, False),
+    ("replayed", "pass", True, False),
+    ("intact", "pass", False, False),
+    ("reproduced", "gone", True, False),
+])
+def test_only_a_passing_reproduced_verdict_anchors_a_proof_or_a_resume(level, status, complete, reproduced):
+    assert verdicts.is_reproduced(verdict(10, level=level, status=status, complete=complete)) is reproduced
+
+
+def test_reproduced_steps_reads_only_the_steps_asked_for(tmp_path):
+    workdir = str(tmp_path)
+    for step, level, status in [(10, "reproduced", "pass"), (20, "reproduced", "fail"), (30, "replayed", "pass"),
+                                (40, "reproduced", "pass"), (50, "reproduced", "pass")]:
+        verdicts.write(workdir, verdict(step, level=level, status=status))
+    assert verdicts.reproduced_steps(workdir, [40, 10, 20, 30, 60]) == [10, 40]
+    assert verdicts.newest_reproduced_step(workdir, [10, 20, 30, 40]) == 40
+    assert verdicts.newest_reproduced_step(workdir, [20, 30]) is None
+    assert sorted(verdicts.read_steps(workdir, [30, 60])) == [30]
+    assert sorted(verdicts.read_all(workdir)) == [10, 20, 30, 40, 50]
+    assert verdicts.read_all(str(tmp_path / "nothing")) == {}
+
+
+def test_summary_is_what_inspect_shows():
+    assert verdicts.summary(None) == "-"
+    assert verdicts.summary(verdict(10)) == "reproduced pass"
+    assert verdicts.summary(verdict(10, level="intact", complete=False)) == "intact pass (replaying)"
