@@ -7,11 +7,20 @@
     <workdir>/lease/<generation>.json            who may write this workdir (checkpointing/lease.py)
     <workdir>/metrics.jsonl, tensorboard/        the trainer's per-step metrics and event files
 
+A process's local directory (--local_dir, '{process}' expanded: expand_local_dir) is a workdir of
+its own holding only that process's local steps (checkpointing/local_tier.py), laid out the same:
+    <local_dir>/checkpoints/<step>/state/            the shards this process holds
+    <local_dir>/checkpoints/<step>/manifest/metadata  the manifest (tier "local", this process's layout)
+
 Orbax owns checkpoints/ alone: on gs:// it treats every directory without a commit marker in its
 root as a killed save and deletes it, which would take verdicts or the lease with it.
 """
 
+import re
+
 from etils import epath
+
+from checkpointing.config import ConfigError
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_ITEM = "state"  # Orbax item of the arrays inside a step
@@ -24,6 +33,7 @@ VERDICTS_DIR = "verdicts"
 LEASE_DIR = "lease"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+PROCESS_PLACEHOLDER = "{process}"  # in --local_dir: the process index
 
 
 def fresh_path(directory: str) -> epath.Path:
@@ -79,3 +89,15 @@ def metrics_file(workdir: str) -> str:
 
 def tensorboard_dir(workdir: str) -> str:
     return _join(workdir, TENSORBOARD_DIR)
+
+
+def expand_local_dir(template: str, process_index: int) -> str:
+    """One process's local directory: '{process}' replaced by its index (processes sharing a machine,
+    as the local pod launcher's do, need their own). Without it the path is used as it is: each host
+    of a real pod has its own disk. Any other '{...}' is a ConfigError naming it (a mistyped placeholder
+    would put every process in one directory)."""
+    unknown = sorted(set(re.findall(r"\{[^{}]*\}", str(template))) - {PROCESS_PLACEHOLDER})
+    if unknown:
+        raise ConfigError(f"--local_dir={template}: unknown placeholder {', '.join(unknown)} "
+                          f"(only {PROCESS_PLACEHOLDER} is expanded)")
+    return str(template).replace(PROCESS_PLACEHOLDER, str(process_index))

@@ -12,13 +12,13 @@ from jax.experimental import multihost_utils
 
 from checkpointing import lease as lease_lib
 from checkpointing import workdir as workdir_lib
-from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedError
-from checkpointing.errors import one_line_cause
+from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedError, one_line_cause
+from checkpointing.config import format_mesh
 from runtime.preemption import PreemptionWatch
 from runtime.watchdog import Watchdog
-from trainer import checkpoints
-from trainer.config import TrainConfig, format_mesh
-from trainer import metrics
+from trainer import checkpoints, metrics
+from trainer import saver as saver_lib
+from trainer.config import TrainConfig
 from trainer.metrics import RunMetrics
 from trainer.program import Program, build_mesh, build_program
 
@@ -107,7 +107,11 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
     hook_secs, save_blocking = 0.0, []
     try:
         for step in range(start_step, end_step):
-            state, loss = program.step_fn(state, program.batch_fn(step))
+            # The step number is the one value the host sends each step; any other transfer is an
+            # error under jax.transfer_guard("disallow") (tests/test_loop_transfers.py runs it so).
+            with jax.transfer_guard_host_to_device("allow"):
+                batch = program.batch_fn(step)
+            state, loss = program.step_fn(state, batch)
             loss_log.add(step, loss)
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
                 loss.block_until_ready()
@@ -175,7 +179,7 @@ def _acquire_pod_lease(config: TrainConfig) -> lease_lib.Lease | None:
     lease, error = None, None
     if jax.process_index() == 0:
         try:
-            lease = lease_lib.acquire(config.workdir, config.lease_secs)
+            lease = lease_lib.acquire(config.workdir, config.checkpoint.lease_secs)
         except Exception as err:  # the other processes must not wait in the broadcast forever
             error = err
     outcome = 0 if error is None else 2 if isinstance(error, WorkdirLeasedError) else 1
@@ -239,17 +243,20 @@ def _train_holding_lease(config: TrainConfig, candidates: list[int], lease: leas
     log_phase("compile", time.perf_counter() - begin)
     preemption = PreemptionWatch()
     watchdog = Watchdog(config.watchdog_secs)
-    service = None
+    service = local = None
     try:
+        writer_check = _lease_check(lease)  # the lease covers both tiers
         service = checkpoints.open_service(config, program, preemption_decision=preemption.decided,
-                                           writer_check=_lease_check(lease))
+                                           writer_check=writer_check)
+        local = checkpoints.open_local_service(config, program, preemption_decision=preemption.decided,
+                                               writer_check=writer_check)
         begin = time.perf_counter()
         with watchdog.bounded("restoring", config.watchdog_secs):
-            start_step, state = checkpoints.restore_or_init(program, service, candidates)
+            start_step, state, tier = checkpoints.restore_or_init(program, service, candidates, local)
         jax.block_until_ready(state)
         log_phase("restore", time.perf_counter() - begin)
-        saver = checkpoints.make_saver(config, service, start_step=start_step, preemption=preemption,
-                                       watchdog=watchdog)
+        saver = saver_lib.make_saver(config, service, local, start_step=start_step, resumed_tier=tier,
+                                     preemption=preemption, watchdog=watchdog)
         loss_log = LossLog(config.workdir)
         start = time.perf_counter()
         watchdog.pet(f"step {start_step + 1} (compiles the step)")
@@ -257,11 +264,16 @@ def _train_holding_lease(config: TrainConfig, candidates: list[int], lease: leas
         with watchdog.bounded("committing the final checkpoint", config.watchdog_secs):
             jax.block_until_ready(state)
             service.close()  # waits for the last save to commit (or raises AsyncSaveError)
+            if local is not None:
+                saver.close_local()
     except BaseException:
-        if service is not None:  # a save still writing once the lease is released could race the next writer
+        # A save still writing once the lease is released could race the next writer.
+        for tier_service in (service, local):
+            if tier_service is None:
+                continue
             with watchdog.bounded("ending the in-flight save", config.watchdog_secs):
                 try:
-                    service.wait_until_finished()
+                    tier_service.wait_until_finished()
                 except CheckpointError:
                     pass  # the error being raised already says what failed
         raise
