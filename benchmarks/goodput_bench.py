@@ -14,6 +14,10 @@ variant has finished is not sent).
   plain_orbax           the same program, data and loop with a plain async ocp.CheckpointManager
   service_auto          this trainer with --save_every_secs=auto
   service_no_cache      `service` without the persistent compilation cache (restart latency only)
+  service_local         `service` plus the local tier: --local_save_every_steps=--save_every_steps/5, to a
+                        directory per process beside the workdir (the persistent cadence unchanged)
+With --interruption=sigkill the schedule kills one process instead (a crash, a lost host): no save
+is made at the interruption, so the steps since the newest complete save are recomputed.
 An untimed warm-up run of the trainer fills the compilation cache first.
 
 Per variant: goodput (the ideal wall time over this variant's, excluding nothing), steps
@@ -51,8 +55,10 @@ SAVE_EVERY_STEPS = flags.DEFINE_integer("save_every_steps", 10, "Fixed save cade
 PREEMPTIONS = flags.DEFINE_integer("preemptions", 2, "SIGTERMs per preempted variant.", lower_bound=0)
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the preemption schedule.")
 HIDDEN_DIM = flags.DEFINE_integer("hidden_dim", 1024, "mlp width (sets the save size).")
-VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache"],
-                             "Variants to run after `ideal`.")
+VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache",
+                                          "service_local"], "Variants to run after `ideal`.")
+INTERRUPTION = flags.DEFINE_enum("interruption", "sigterm", ["sigterm", "sigkill"],
+                                 "What the schedule sends one process: a preemption, or a crash.")
 TIMEOUT_SECS = flags.DEFINE_float("timeout_secs", 570, "The whole benchmark is stopped (every process killed) "
                                   "after this long.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the numbers as JSON here.")
@@ -62,6 +68,8 @@ TRAIN = ["--model=mlp", "--mesh=data=2", "--batch_size=64", "--num_layers=4", "-
          "--max_to_keep=1000", "--lease_secs=5"]
 PREEMPTED_AT = re.compile(r"preempted at step (\d+)")
 RESUMED_FROM = re.compile(r"resumed from step (\d+)")
+LOGGED_STEP = re.compile(r"\] step (\d+) loss ")  # the progress line, every --log_every_steps
+HANDED_OFF = re.compile(r"^\[0\] .*checkpoint: (local )?step \d+ \(\w+\) handed off in (\d+\.\d+)s", re.M)
 FIRST_STEP_AT = re.compile(r"^\[0\] I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] phase first_step ", re.M)
 _LIVE: set[int] = set()  # process groups still running, killed on any exit
 
@@ -90,6 +98,10 @@ def variant_command(variant: str, workdir: str, cache_dir: str) -> tuple[str, li
         return "trainer.train", [*common[:1], f"--steps={SAVE_EVERY_STEPS.value}", *common[2:], every, cache]
     if variant in ("service", "service_no_cache"):
         return "trainer.train", [*common, every, cache]
+    if variant == "service_local":
+        local = [f"--local_dir={workdir}-local-{{process}}",
+                 f"--local_save_every_steps={max(SAVE_EVERY_STEPS.value // 5, 1)}"]
+        return "trainer.train", [*common, every, *local, cache]
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -112,15 +124,16 @@ def launch(module: str, args: list[str], log_path: str) -> subprocess.Popen:
     return proc
 
 
-def sigterm_one(launcher: subprocess.Popen, process_id: int) -> bool:
+def interrupt_one(launcher: subprocess.Popen, process_id: int) -> bool:
+    """--interruption's signal to one process of the pod (SIGTERM: a preemption; SIGKILL: a crash)."""
     try:
         children = psutil.Process(launcher.pid).children()
         targets = [c for c in children if f"--process_id={process_id}" in c.cmdline()]
     except psutil.Error:
         return False
     for target in targets:
-        logging.info("SIGTERM to process %d (pid %d)", process_id, target.pid)
-        target.terminate()
+        logging.info("%s to process %d (pid %d)", INTERRUPTION.value.upper(), process_id, target.pid)
+        target.kill() if INTERRUPTION.value == "sigkill" else target.terminate()
     return bool(targets)
 
 
@@ -137,7 +150,7 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
                 raise TimeoutError(f"{variant}: past the benchmark's --timeout_secs")
             if pending and time.monotonic() - begin >= pending[0][0]:
                 _, process_id = pending.pop(0)
-                sigterm_one(proc, process_id)
+                interrupt_one(proc, process_id)
             time.sleep(0.05)
         _LIVE.discard(proc.pid)
         launches.append((launched_at, open(log_path).read()))
@@ -169,7 +182,8 @@ def count_saves(workdir: str) -> int:
 def summarise(variant: str, wall: float, launches: list[tuple[int, str]], workdir: str) -> dict:
     restarts, recomputed = [], []
     for (_, before), (launched_at, after) in zip(launches, launches[1:]):
-        reached = [int(s) for s in PREEMPTED_AT.findall(before)]
+        # Killed: the newest logged step (within --log_every_steps of the step the pod reached).
+        reached = [int(s) for s in PREEMPTED_AT.findall(before) or LOGGED_STEP.findall(before)]
         resumed = [int(s) for s in RESUMED_FROM.findall(after)] or [0]
         if reached:  # else the SIGTERM came before training: no step was lost, the start-up was
             recomputed.append(max(reached) - resumed[0])
@@ -177,8 +191,11 @@ def summarise(variant: str, wall: float, launches: list[tuple[int, str]], workdi
         if (to_first_step := first_step_wall_secs(launched_at, after)) is not None:
             phases["wall"] = to_first_step
         restarts.append(phases)
+    handed_off = [match for _, log in launches for match in HANDED_OFF.findall(log)]
     return {"variant": variant, "wall_secs": wall, "launches": len(launches), "restarts": restarts,
-            "recomputed": recomputed, "saves": count_saves(workdir)}
+            "recomputed": recomputed, "saves": count_saves(workdir),
+            "blocking_secs": [float(secs) for local, secs in handed_off if not local],
+            "local_blocking_secs": [float(secs) for local, secs in handed_off if local]}
 
 
 def median(values: list[float]) -> float | None:
@@ -198,7 +215,8 @@ def report(results: dict[str, dict]) -> tuple[str, dict]:
     ideal = results["ideal"]["wall_secs"]
     out, rows = {"ideal_wall_secs": ideal}, []
     header = ["variant", "wall s", "goodput", "preemptions", "recomputed/preemption", "restart s",
-              "phases sum s", *[f"{p} s" for p in PHASES], "saves", "overhead/save s"]
+              "phases sum s", *[f"{p} s" for p in PHASES], "saves", "overhead/save s", "blocking/save s",
+              "local saves", "local blocking/save s"]
     for name, r in results.items():
         restarts = [restart_secs(p) for p in r["restarts"]]
         goodput = ideal / r["wall_secs"]
@@ -208,11 +226,15 @@ def report(results: dict[str, dict]) -> tuple[str, dict]:
         out[f"recomputed_steps_per_preemption_{name}"] = recomputed
         out[f"restart_secs_median_{name}"] = median(restarts)
         out[f"save_overhead_secs_per_save_{name}"] = per_save
+        out[f"save_blocking_secs_median_{name}"] = median(r.get("blocking_secs", []))
+        out[f"local_save_blocking_secs_median_{name}"] = median(r.get("local_blocking_secs", []))
+        out[f"local_saves_{name}"] = len(r.get("local_blocking_secs", []))
         phases = [median([p[ph] for p in r["restarts"] if ph in p]) for ph in PHASES]
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
         rows.append([name, f"{r['wall_secs']:.1f}", f"{goodput:.3f}", str(len(r["restarts"])), f"{recomputed:.1f}",
                      fmt(median(restarts)), fmt(median([phase_sum(p) for p in r["restarts"]])), *map(fmt, phases),
-                     str(r["saves"]), fmt(per_save)])
+                     str(r["saves"]), fmt(per_save), fmt(out[f"save_blocking_secs_median_{name}"]),
+                     str(out[f"local_saves_{name}"]), fmt(out[f"local_save_blocking_secs_median_{name}"])])
     cached = [p for name, r in results.items() if name != "service_no_cache" for p in r["restarts"]]
     uncached = results.get("service_no_cache", {}).get("restarts", [])
     out["restart_secs_median"] = median([restart_secs(p) for p in cached])
@@ -236,7 +258,9 @@ def targets(out: dict) -> list[str]:
             check("goodput_service_auto >= goodput_service", out.get("goodput_service_auto"),
                   out.get("goodput_service"), 1.0),
             check("restart_secs_median <= 0.7 * restart_secs_median_no_compile_cache", out.get("restart_secs_median"),
-                  out.get("restart_secs_median_no_compile_cache"), 0.7)]
+                  out.get("restart_secs_median_no_compile_cache"), 0.7),
+            check("goodput_service_local >= goodput_service", out.get("goodput_service_local"),
+                  out.get("goodput_service"), 1.0)]
 
 
 def preemption_schedule(rng: random.Random, ideal_secs: float, count: int) -> list[tuple[float, int]]:
