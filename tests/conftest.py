@@ -28,6 +28,17 @@ def eight_devices():
     assert jax.device_count() == 8, "conftest must run before anything imports jax"
 
 
+@pytest.fixture(autouse=True)
+def absl_log_level():
+    """Parsing absl flags in-process (tests/test_config.py, helpers.run_in_process) sets absl's logger
+    to --verbosity's level; later tests reading INFO records with caplog must not depend on order."""
+    from absl import logging as absl_logging
+
+    level = absl_logging.get_absl_logger().level
+    yield
+    absl_logging.get_absl_logger().setLevel(level)
+
+
 @pytest.fixture
 def workdir(tmp_path):
     return str(tmp_path / "run")

@@ -167,7 +167,7 @@ def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_
     assert committed_steps(workdir) == [10, 20]
     program = build_program(config, build_mesh(config))
     service = checkpoints.open_service(config, program)
-    start_step, _ = checkpoints.restore_or_init(program, service, checkpoints.resume_candidates(config))
+    start_step, _, _ = checkpoints.restore_or_init(program, service, checkpoints.resume_candidates(config))
     assert start_step == 20
     assert not os.path.exists(leftover)
 
