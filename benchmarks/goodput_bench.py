@@ -26,7 +26,7 @@ resumed), restart latency (relaunch to the first step's loss, from the log's tim
 split into the trainer's `phase <name> <secs>s` lines (process start, distributed start-up,
 compile, restore, first step; what they leave out is start-up work between the phases), and the
 wall-time overhead
-per save ((wall - ideal wall - restart latencies) / saves). A markdown table on stdout; --json_out
+per save ((wall - ideal wall - restart latencies) / saves of both tiers). A markdown table on stdout; --json_out
 writes the numbers. Every process is started in its own group and killed by PID on any exit.
 """
 
@@ -221,7 +221,8 @@ def report(results: dict[str, dict]) -> tuple[str, dict]:
         restarts = [restart_secs(p) for p in r["restarts"]]
         goodput = ideal / r["wall_secs"]
         recomputed = statistics.mean(r["recomputed"]) if r["recomputed"] else 0.0
-        per_save = (r["wall_secs"] - ideal - sum(restarts)) / r["saves"] if r["saves"] else None
+        saves = r["saves"] + len(r.get("local_blocking_secs", []))  # both tiers' saves share the overhead
+        per_save = (r["wall_secs"] - ideal - sum(restarts)) / saves if saves else None
         out[f"goodput_{name}"] = goodput
         out[f"recomputed_steps_per_preemption_{name}"] = recomputed
         out[f"restart_secs_median_{name}"] = median(restarts)
