@@ -18,6 +18,9 @@ variant has finished is not sent).
                         directory per process beside the workdir (the persistent cadence unchanged)
 With --interruption=sigkill the schedule kills one process instead (a crash, a lost host): no save
 is made at the interruption, so the steps since the newest complete save are recomputed.
+With --persistent=gcs the trainer variants' workdirs are gs:// paths on a GCS-protocol server on
+127.0.0.1 (tests/gcs_emulator.py, one request at a time: a slow, remote persistent store), while
+the local tier stays on local disk.
 An untimed warm-up run of the trainer fills the compilation cache first.
 
 Per variant: goodput (the ideal wall time over this variant's, excluding nothing), steps
@@ -42,12 +45,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import psutil
 from absl import app, flags, logging
 
 from benchmarks.common import ROOT
 from checkpointing import workdir as workdir_lib
+from checkpointing.service import committed_steps
 from trainer.metrics import PHASES, parse_phases
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
@@ -62,6 +67,8 @@ INTERRUPTION = flags.DEFINE_enum("interruption", "sigterm", ["sigterm", "sigkill
 TIMEOUT_SECS = flags.DEFINE_float("timeout_secs", 570, "The whole benchmark is stopped (every process killed) "
                                   "after this long.")
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the numbers as JSON here.")
+PERSISTENT = flags.DEFINE_enum("persistent", "disk", ["disk", "gcs"],
+                               "Where the trainer variants' workdirs are: local disk, or the GCS emulator.")
 WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a temporary directory, removed).")
 
 TRAIN = ["--model=mlp", "--mesh=data=2", "--batch_size=64", "--num_layers=4", "--log_every_steps=5",
@@ -83,7 +90,40 @@ def _kill_all(*_):
         _LIVE.discard(pgid)
 
 
-def variant_command(variant: str, workdir: str, cache_dir: str) -> tuple[str, list[str]]:
+_GCS_ENV: dict[str, str] = {}  # set by start_gcs_emulator: what points gcsfs and TensorStore at it
+GCS_BUCKET = "goodput"
+
+
+def start_gcs_emulator(log_path: str) -> None:
+    """tests/gcs_emulator.py on a free port, in its own process group (killed by _kill_all)."""
+    from launch.pod import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.gcs_emulator", f"--port={port}", f"--bucket={GCS_BUCKET}"],
+                            cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE.add(proc.pid)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url + "/", timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the GCS emulator did not start; see {log_path}") from None
+            time.sleep(0.1)
+    _GCS_ENV.update(TENSORSTORE_GCS_HTTP_URL=url, STORAGE_EMULATOR_HOST=url, GOOGLE_CLOUD_PROJECT="goodput",
+                    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    os.environ.update(_GCS_ENV)  # count_saves lists the bucket from this process
+
+
+def trainer_workdir(root: str, variant: str) -> str:
+    if PERSISTENT.value == "gcs" and variant not in ("ideal", "plain_orbax"):
+        return f"gs://{GCS_BUCKET}/{variant}"
+    return os.path.join(root, variant)
+
+
+def variant_command(variant: str, workdir: str, cache_dir: str, root: str = "") -> tuple[str, list[str]]:
     sizes = [f"--input_dim={HIDDEN_DIM.value}", f"--hidden_dim={HIDDEN_DIM.value}"]
     common = [f"--workdir={workdir}", f"--steps={STEPS.value}", *TRAIN, *sizes]
     cache = f"--compilation_cache_dir={'' if variant == 'service_no_cache' else cache_dir}"
@@ -99,7 +139,7 @@ def variant_command(variant: str, workdir: str, cache_dir: str) -> tuple[str, li
     if variant in ("service", "service_no_cache"):
         return "trainer.train", [*common, every, cache]
     if variant == "service_local":
-        local = [f"--local_dir={workdir}-local-{{process}}",
+        local = [f"--local_dir={os.path.join(root, variant)}-local-{{process}}",
                  f"--local_save_every_steps={max(SAVE_EVERY_STEPS.value // 5, 1)}"]
         return "trainer.train", [*common, every, *local, cache]
     raise ValueError(f"unknown variant {variant!r}")
@@ -117,7 +157,7 @@ def launch(module: str, args: list[str], log_path: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=1",
                f"--module={module}", "--", *args]
     python_path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=python_path)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=python_path, **_GCS_ENV)
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     _LIVE.add(proc.pid)
@@ -138,8 +178,8 @@ def interrupt_one(launcher: subprocess.Popen, process_id: int) -> bool:
 
 
 def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[float, int]], deadline: float) -> dict:
-    workdir = os.path.join(root, variant)
-    module, args = variant_command(variant, workdir, cache_dir)
+    workdir = trainer_workdir(root, variant)
+    module, args = variant_command(variant, workdir, cache_dir, root)
     begin, launches, pending = time.monotonic(), [], list(schedule)
     while True:
         log_path = os.path.join(root, f"{variant}-{len(launches)}.log")
@@ -175,6 +215,8 @@ def first_step_wall_secs(launched_at: float, log: str) -> float | None:
 
 
 def count_saves(workdir: str) -> int:
+    if workdir.startswith("gs://"):
+        return len(committed_steps(workdir))
     directory = str(workdir_lib.checkpoints_dir(workdir))
     return sum(name.isdigit() for name in os.listdir(directory)) if os.path.isdir(directory) else 0
 
@@ -280,6 +322,8 @@ def main(argv: list[str]) -> None:
     if "service_auto" in VARIANTS.value:
         require_auto_interval()
     try:
+        if PERSISTENT.value == "gcs":
+            start_gcs_emulator(os.path.join(root, "gcs-emulator.log"))
         # Untimed: fills the compilation cache (step, batch, init and the service's fingerprint
         # functions), so that no variant's first launch pays a cold compile the others do not.
         run_variant("warm_up", root, cache_dir, [], deadline)
