@@ -45,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import psutil
 from absl import app, flags, logging
@@ -96,24 +95,11 @@ GCS_BUCKET = "goodput"
 
 def start_gcs_emulator(log_path: str) -> None:
     """tests/gcs_emulator.py on a free port, in its own process group (killed by _kill_all)."""
-    from launch.pod import free_port
+    from tests import gcs_emulator
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.gcs_emulator", f"--port={port}", f"--bucket={GCS_BUCKET}"],
-                            cwd=ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc, env = gcs_emulator.start(GCS_BUCKET, cwd=ROOT, output=open(log_path, "w"), new_session=True)
     _LIVE.add(proc.pid)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url + "/", timeout=1)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"the GCS emulator did not start; see {log_path}") from None
-            time.sleep(0.1)
-    _GCS_ENV.update(TENSORSTORE_GCS_HTTP_URL=url, STORAGE_EMULATOR_HOST=url, GOOGLE_CLOUD_PROJECT="goodput",
-                    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    _GCS_ENV.update(env)
     os.environ.update(_GCS_ENV)  # count_saves lists the bucket from this process
 
 

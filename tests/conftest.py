@@ -10,10 +10,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import importlib.util  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -92,25 +88,10 @@ def gcs_env():
     that points TensorStore and gcsfs at it, also set in os.environ while the module runs."""
     if importlib.util.find_spec("gcp_storage_emulator") is None or importlib.util.find_spec("gcsfs") is None:
         pytest.skip("gcp-storage-emulator and gcsfs are not installed (pip install -e .[dev]); CI installs them")
-    from launch.pod import free_port
+    from tests import gcs_emulator
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "tests.gcs_emulator", f"--port={port}",
-                               f"--bucket={helpers.BUCKET}"], cwd=helpers.REPO_ROOT, env=helpers.subprocess_env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, env = gcs_emulator.start(helpers.BUCKET, cwd=helpers.REPO_ROOT, env=helpers.subprocess_env())
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the GCS emulator did not start"
-                time.sleep(0.1)
-        env = {"TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url, "GOOGLE_CLOUD_PROJECT": "test",
-               # The emulator has no bucket-type (gRPC control) API: gcsfs would wait 60 s per bucket.
-               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)  # for the in-process reads of the tests (gcsfs, epath)
         yield env
