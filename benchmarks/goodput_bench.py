@@ -58,7 +58,11 @@ STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound
 SAVE_EVERY_STEPS = flags.DEFINE_integer("save_every_steps", 10, "Fixed save cadence (service, plain_orbax).")
 PREEMPTIONS = flags.DEFINE_integer("preemptions", 2, "SIGTERMs per preempted variant.", lower_bound=0)
 SEED = flags.DEFINE_integer("seed", 0, "Seeds the preemption schedule.")
-HIDDEN_DIM = flags.DEFINE_integer("hidden_dim", 1024, "mlp width (sets the save size).")
+HIDDEN_DIM = flags.DEFINE_integer("hidden_dim", 1024, "mlp width and input features, or the transformer's d_model "
+                                   "(sets the save size).")
+MODEL = flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"], "The trainer's --model (transformer: compiles "
+                          "for longer, so a restart is mostly compilation without the cache).")
+BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Global batch: sets a step's cost, not the save's.", lower_bound=2)
 VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache",
                                           "service_local"], "Variants to run after `ideal`.")
 INTERRUPTION = flags.DEFINE_enum("interruption", "sigterm", ["sigterm", "sigkill"],
@@ -70,8 +74,7 @@ PERSISTENT = flags.DEFINE_enum("persistent", "disk", ["disk", "gcs"],
                                "Where the trainer variants' workdirs are: local disk, or the GCS emulator.")
 WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a temporary directory, removed).")
 
-TRAIN = ["--model=mlp", "--mesh=data=2", "--batch_size=64", "--num_layers=4", "--log_every_steps=5",
-         "--max_to_keep=1000", "--lease_secs=5"]
+TRAIN = ["--mesh=data=2", "--num_layers=4", "--log_every_steps=5", "--max_to_keep=1000", "--lease_secs=5"]
 PREEMPTED_AT = re.compile(r"preempted at step (\d+)")
 RESUMED_FROM = re.compile(r"resumed from step (\d+)")
 LOGGED_STEP = re.compile(r"\] step (\d+) loss ")  # the progress line, every --log_every_steps
@@ -110,7 +113,9 @@ def trainer_workdir(root: str, variant: str) -> str:
 
 
 def variant_command(variant: str, workdir: str, cache_dir: str, root: str = "") -> tuple[str, list[str]]:
-    sizes = [f"--input_dim={HIDDEN_DIM.value}", f"--hidden_dim={HIDDEN_DIM.value}"]
+    sizes = [f"--model={MODEL.value}", f"--batch_size={BATCH_SIZE.value}", f"--hidden_dim={HIDDEN_DIM.value}"]
+    if MODEL.value == "mlp":
+        sizes.append(f"--input_dim={HIDDEN_DIM.value}")
     common = [f"--workdir={workdir}", f"--steps={STEPS.value}", *TRAIN, *sizes]
     cache = f"--compilation_cache_dir={'' if variant == 'service_no_cache' else cache_dir}"
     every = f"--save_every_steps={SAVE_EVERY_STEPS.value}"

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps
+from checkpointing.service import committed_steps, read_manifest
 from runtime import exit_codes
 from launch.pod import pod_exit_code
 from tests import helpers
@@ -97,6 +97,19 @@ def test_two_process_save_restores_on_one_and_on_four_processes(tmp_path, uninte
     # gloo adds across processes in another order than one process does: close, not bit-equal.
     rtol = tolerances.loss_rtol("mlp", exact=False)
     assert helpers.max_relative_difference(recorded_losses(one), recorded_losses(four)) <= rtol
+
+
+def test_time_based_saves_are_decided_once_for_every_process(tmp_path, uninterrupted):
+    # Process 0's clock decides and a broadcast carries it (and the next step to ask) to every
+    # process: a host that saved alone would hang in Orbax's barriers, and the run would not end.
+    # --save_every_secs=auto decides through the same path.
+    workdir = str(tmp_path / "timed")
+    result = run_pod(2, 4, f"--workdir={workdir}", "--steps=60", *TRAIN[:2], "--max_to_keep=100",
+                     "--save_every_secs=0.5")
+    assert result.returncode == 0, result.stdout[-3000:]
+    reasons = {step: read_manifest(workdir, step)["reason"] for step in committed_steps(workdir)}
+    assert list(reasons.values()).count("time") >= 2 and reasons[60] == "final", reasons
+    assert recorded_losses(workdir) == {s: uninterrupted[s] for s in range(60)}, "saves never change the run"
 
 
 def test_sigterm_to_one_process_saves_the_same_step_everywhere_and_requeues(tmp_path, uninterrupted):

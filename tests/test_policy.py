@@ -74,6 +74,23 @@ def test_policy_saves_on_the_auto_interval_with_an_injected_clock():
     assert policy.reason(9) is None
 
 
+def test_time_saves_land_on_time_after_a_few_checks_per_interval():
+    # Each check is a broadcast on a multi-process pod: about half the time left (at most
+    # MAX_CHECK_GAP_SECS) passes between checks, so an interval costs a few, not one per step.
+    clock = FakeClock()
+    checks = []
+    policy = SavePolicy(0, 100.0, clock=lambda: checks.append(clock.now) or clock.now)
+    saves = []
+    for step in range(1, 251):
+        clock.now = float(step)  # one second a step
+        if policy.reason(step) == "time":
+            saves.append(step)
+            policy.saved()
+    assert saves == [100, 200]
+    assert len(checks) < 250 / 5, checks
+    assert all(b - a <= SavePolicy.MAX_CHECK_GAP_SECS for a, b in zip(checks, checks[1:])), checks
+
+
 @pytest.mark.parametrize("cost, mtbi", [(float("nan"), 3600.0), (2.0, float("nan"))])
 def test_nan_inputs_never_disable_saving(cost, mtbi):
     # A NaN interval would make `elapsed >= interval` always false: never save. The bound must win.

@@ -3,12 +3,14 @@ preemption deadline, each through the real `python -m trainer.train` (processes 
 
 import os
 import re
+import shutil
 import signal
 import time
 
 import pytest
 
 from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import step_dir
 from tests import helpers
 
 pytestmark = pytest.mark.slow
@@ -80,6 +82,16 @@ def test_save_every_secs_auto_records_its_interval_and_bad_values_exit_2(tmp_pat
     extra = read_manifest(workdir, 12)["extra"]
     assert extra["save_interval_secs"] > 0 and extra["save_cost_secs"] > 0 and extra["interruptions"] == 0
     assert len(extra["commit_secs"]) == 1  # step 6's commit, measured before step 12 saved
+    # M counts only interruptions that lost work: extending a finished run is none, a resume from
+    # a step that was not saved at a preemption or at the end (a crash) is one.
+    cache = f"--compilation_cache_dir={tmp_path / 'cache'}"
+    crashed = str(tmp_path / "crashed")
+    shutil.copytree(workdir, crashed)
+    shutil.rmtree(step_dir(crashed, 12))  # as if the run had died before step 12 committed
+    assert train(workdir, "--save_every_secs=auto", "--steps=18", cache).returncode == 0
+    assert read_manifest(workdir, 18)["extra"]["interruptions"] == 0
+    assert train(crashed, "--save_every_secs=auto", cache).returncode == 0
+    assert read_manifest(crashed, 12)["extra"]["interruptions"] == 1
     before = helpers.disk_state(str(tmp_path / "bad"))  # missing, and must stay so
     bad = train(tmp_path / "bad", "--save_every_secs=often")
     assert helpers.assert_refused(bad, before) == \

@@ -38,16 +38,20 @@ class PreemptedUnsaved(Preempted):
 def make_saver(config: TrainConfig, service: CheckpointService, local: CheckpointService | None, *,
                start_step: int, resumed_tier: str | None, preemption: PreemptionWatch, watchdog: Watchdog) -> "Saver":
     """The Saver, seeded with the run's history (process 0 reads the resumed step's manifest)."""
-    history = {}
+    history, resumed_reason = {}, None
     if start_step and jax.process_index() == 0:
         try:
             resumed = local if resumed_tier == manifest_lib.LOCAL else service
-            history = dict(resumed.read_manifest(start_step).get("extra") or {})
+            manifest = resumed.read_manifest(start_step)
+            history, resumed_reason = dict(manifest.get("extra") or {}), manifest.get("reason")
         except (ManifestError, CorruptCheckpointError):
             pass  # restore just read it; a history is only a hint
     auto = None
     if config.checkpoint.save_every_secs == AUTO:
-        interruptions = int(history.get("interruptions", 0)) + (1 if start_step else 0)
+        # Young/Daly's M is the time between interruptions that lose work. A resume from a
+        # preemption save, or a run extended past its final step, lost none: it does not count.
+        lost_work = bool(start_step) and resumed_reason not in ("preemption", "final")
+        interruptions = int(history.get("interruptions", 0)) + int(lost_work)
         started_at = float(history.get("history_started_at", time.time()))
         auto = AutoInterval(mtbi_secs=mean_time_between_interruptions(interruptions, time.time() - started_at,
                                                                       MTBI_PRIOR_SECS),
