@@ -21,7 +21,9 @@ is made at the interruption, so the steps since the newest complete save are rec
 With --persistent=gcs the trainer variants' workdirs are gs:// paths on a GCS-protocol server on
 127.0.0.1 (tests/gcs_emulator.py, one request at a time: a slow, remote persistent store), while
 the local tier stays on local disk.
-An untimed warm-up run of the trainer fills the compilation cache first.
+An untimed warm-up run of the trainer fills the compilation cache first. --rounds repeats `ideal`
+and every variant, in an order rotated each round; goodput is computed per round against that
+round's ideal run, and the medians are reported.
 
 Per variant: goodput (the ideal wall time over this variant's, excluding nothing), steps
 recomputed per preemption (the step the preempted pod reached minus the step the next one
@@ -63,8 +65,12 @@ HIDDEN_DIM = flags.DEFINE_integer("hidden_dim", 1024, "mlp width and input featu
 MODEL = flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"], "The trainer's --model (transformer: compiles "
                           "for longer, so a restart is mostly compilation without the cache).")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Global batch: sets a step's cost, not the save's.", lower_bound=2)
-VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache",
-                                          "service_local"], "Variants to run after `ideal`.")
+VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache"],
+                             "Variants to run after `ideal` (also: service_local).")
+ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs `ideal` and every variant once, in an order rotated "
+                              "each round. Per-run ratios are medians over the rounds.", lower_bound=1)
+LOCAL_ROOT = flags.DEFINE_string("local_root", None, "service_local's local tier goes under a fresh directory here "
+                                 "(e.g. /dev/shm, a RAM disk), removed at the end (default: beside the workdirs).")
 INTERRUPTION = flags.DEFINE_enum("interruption", "sigterm", ["sigterm", "sigkill"],
                                  "What the schedule sends one process: a preemption, or a crash.")
 TIMEOUT_SECS = flags.DEFINE_float("timeout_secs", 570, "The whole benchmark is stopped (every process killed) "
@@ -108,11 +114,11 @@ def start_gcs_emulator(log_path: str) -> None:
 
 def trainer_workdir(root: str, variant: str) -> str:
     if PERSISTENT.value == "gcs" and variant not in ("ideal", "plain_orbax"):
-        return f"gs://{GCS_BUCKET}/{variant}"
+        return f"gs://{GCS_BUCKET}/{os.path.basename(root)}-{variant}"
     return os.path.join(root, variant)
 
 
-def variant_command(variant: str, workdir: str, cache_dir: str, root: str = "") -> tuple[str, list[str]]:
+def variant_command(variant: str, workdir: str, cache_dir: str, local_prefix: str = "") -> tuple[str, list[str]]:
     sizes = [f"--model={MODEL.value}", f"--batch_size={BATCH_SIZE.value}", f"--hidden_dim={HIDDEN_DIM.value}"]
     if MODEL.value == "mlp":
         sizes.append(f"--input_dim={HIDDEN_DIM.value}")
@@ -130,7 +136,7 @@ def variant_command(variant: str, workdir: str, cache_dir: str, root: str = "") 
     if variant in ("service", "service_no_cache"):
         return "trainer.train", [*common, every, cache]
     if variant == "service_local":
-        local = [f"--local_dir={os.path.join(root, variant)}-local-{{process}}",
+        local = [f"--local_dir={local_prefix}-{{process}}",
                  f"--local_save_every_steps={max(SAVE_EVERY_STEPS.value // 5, 1)}"]
         return "trainer.train", [*common, every, *local, cache]
     raise ValueError(f"unknown variant {variant!r}")
@@ -168,9 +174,11 @@ def interrupt_one(launcher: subprocess.Popen, process_id: int) -> bool:
     return bool(targets)
 
 
-def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[float, int]], deadline: float) -> dict:
+def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[float, int]], deadline: float,
+                local_root: str = "") -> dict:
     workdir = trainer_workdir(root, variant)
-    module, args = variant_command(variant, workdir, cache_dir, root)
+    local_prefix = os.path.join(local_root or root, f"{os.path.basename(root)}-{variant}-local")
+    module, args = variant_command(variant, workdir, cache_dir, local_prefix)
     begin, launches, pending = time.monotonic(), [], list(schedule)
     while True:
         log_path = os.path.join(root, f"{variant}-{len(launches)}.log")
@@ -244,33 +252,44 @@ def restart_secs(phases: dict[str, float]) -> float:
     return phases.get("wall", phase_sum(phases))
 
 
-def report(results: dict[str, dict]) -> tuple[str, dict]:
-    ideal = results["ideal"]["wall_secs"]
-    out, rows = {"ideal_wall_secs": ideal}, []
+def report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
+    """Per variant: goodput and the overhead per save are computed per round (against that round's
+    ideal run) and their medians reported; restarts, recomputed steps and blocking pool every round."""
+    ideals = [r["ideal"]["wall_secs"] for r in rounds]
+    out, rows = {"ideal_wall_secs": statistics.median(ideals), "rounds": len(rounds)}, []
     header = ["variant", "wall s", "goodput", "preemptions", "recomputed/preemption", "restart s",
               "phases sum s", *[f"{p} s" for p in PHASES], "saves", "overhead/save s", "blocking/save s",
               "local saves", "local blocking/save s"]
-    for name, r in results.items():
-        restarts = [restart_secs(p) for p in r["restarts"]]
-        goodput = ideal / r["wall_secs"]
-        recomputed = statistics.mean(r["recomputed"]) if r["recomputed"] else 0.0
-        saves = r["saves"] + len(r.get("local_blocking_secs", []))  # both tiers' saves share the overhead
-        per_save = (r["wall_secs"] - ideal - sum(restarts)) / saves if saves else None
-        out[f"goodput_{name}"] = goodput
-        out[f"recomputed_steps_per_preemption_{name}"] = recomputed
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        goodputs, per_save = [ideal / r["wall_secs"] for ideal, r in zip(ideals, runs)], []
+        for ideal, r in zip(ideals, runs):
+            saves = r["saves"] + len(r["local_blocking_secs"])  # both tiers' saves share the overhead
+            if saves:
+                per_save.append((r["wall_secs"] - ideal - sum(restart_secs(p) for p in r["restarts"])) / saves)
+        phases_all = [p for r in runs for p in r["restarts"]]
+        restarts = [restart_secs(p) for p in phases_all]
+        recomputed = [x for r in runs for x in r["recomputed"]]
+        blocking = [x for r in runs for x in r["blocking_secs"]]
+        local_blocking = [x for r in runs for x in r["local_blocking_secs"]]
+        out[f"goodput_{name}"] = statistics.median(goodputs)
+        out[f"goodput_per_round_{name}"] = goodputs
+        out[f"recomputed_steps_per_preemption_{name}"] = statistics.mean(recomputed) if recomputed else 0.0
         out[f"restart_secs_median_{name}"] = median(restarts)
-        out[f"save_overhead_secs_per_save_{name}"] = per_save
-        out[f"save_blocking_secs_median_{name}"] = median(r.get("blocking_secs", []))
-        out[f"local_save_blocking_secs_median_{name}"] = median(r.get("local_blocking_secs", []))
-        out[f"local_saves_{name}"] = len(r.get("local_blocking_secs", []))
-        phases = [median([p[ph] for p in r["restarts"] if ph in p]) for ph in PHASES]
+        out[f"save_overhead_secs_per_save_{name}"] = median(per_save)
+        out[f"save_blocking_secs_median_{name}"] = median(blocking)
+        out[f"local_save_blocking_secs_median_{name}"] = median(local_blocking)
+        out[f"local_saves_{name}"] = statistics.median(len(r["local_blocking_secs"]) for r in runs)
+        phases = [median([p[ph] for p in phases_all if ph in p]) for ph in PHASES]
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
-        rows.append([name, f"{r['wall_secs']:.1f}", f"{goodput:.3f}", str(len(r["restarts"])), f"{recomputed:.1f}",
-                     fmt(median(restarts)), fmt(median([phase_sum(p) for p in r["restarts"]])), *map(fmt, phases),
-                     str(r["saves"]), fmt(per_save), fmt(out[f"save_blocking_secs_median_{name}"]),
-                     str(out[f"local_saves_{name}"]), fmt(out[f"local_save_blocking_secs_median_{name}"])])
-    cached = [p for name, r in results.items() if name != "service_no_cache" for p in r["restarts"]]
-    uncached = results.get("service_no_cache", {}).get("restarts", [])
+        rows.append([name, fmt(statistics.median(r["wall_secs"] for r in runs)), f"{out[f'goodput_{name}']:.3f}",
+                     str(len(phases_all)), f"{out[f'recomputed_steps_per_preemption_{name}']:.1f}",
+                     fmt(median(restarts)),
+                     fmt(median([phase_sum(p) for p in phases_all])), *map(fmt, phases),
+                     f"{statistics.median(r['saves'] for r in runs):g}", fmt(median(per_save)), fmt(median(blocking)),
+                     f"{out[f'local_saves_{name}']:g}", fmt(median(local_blocking))])
+    cached = [p for r in rounds for name, v in r.items() if name != "service_no_cache" for p in v["restarts"]]
+    uncached = [p for r in rounds for p in r.get("service_no_cache", {}).get("restarts", [])]
     out["restart_secs_median"] = median([restart_secs(p) for p in cached])
     out["restart_compile_secs_median"] = median([p["compile"] for p in cached if "compile" in p])
     out["restart_secs_median_no_compile_cache"] = median([restart_secs(p) for p in uncached])
@@ -312,25 +331,34 @@ def main(argv: list[str]) -> None:
     cache_dir = os.path.join(root, "compile-cache")
     if "service_auto" in VARIANTS.value:
         require_auto_interval()
+    local_root = tempfile.mkdtemp(prefix="goodput-local-", dir=LOCAL_ROOT.value) if LOCAL_ROOT.value else ""
+    rounds, schedule = [], []
     try:
         if PERSISTENT.value == "gcs":
             start_gcs_emulator(os.path.join(root, "gcs-emulator.log"))
         # Untimed: fills the compilation cache (step, batch, init and the service's fingerprint
         # functions), so that no variant's first launch pays a cold compile the others do not.
         run_variant("warm_up", root, cache_dir, [], deadline)
-        results = {"ideal": run_variant("ideal", root, cache_dir, [], deadline)}
-        rng = random.Random(SEED.value)
-        ideal = results["ideal"]["wall_secs"]
-        schedule = preemption_schedule(rng, ideal, PREEMPTIONS.value)
-        logging.info("preemption schedule (secs from each variant's start, process): %s",
-                     [(round(t, 1), p) for t, p in schedule])
-        for variant in VARIANTS.value:
-            results[variant] = run_variant(variant, root, cache_dir, schedule, deadline)
+        for round_ in range(ROUNDS.value):
+            round_root = os.path.join(root, f"round{round_}")
+            os.makedirs(round_root)
+            results = {"ideal": run_variant("ideal", round_root, cache_dir, [], deadline)}
+            if not schedule:  # drawn once, from the first ideal run: every round and variant gets the same
+                schedule = preemption_schedule(random.Random(SEED.value), results["ideal"]["wall_secs"],
+                                               PREEMPTIONS.value)
+                logging.info("preemption schedule (secs from each variant's start, process): %s",
+                             [(round(t, 1), p) for t, p in schedule])
+            shift = round_ % len(VARIANTS.value)
+            for variant in VARIANTS.value[shift:] + VARIANTS.value[:shift]:
+                results[variant] = run_variant(variant, round_root, cache_dir, schedule, deadline, local_root)
+            rounds.append({name: results[name] for name in ["ideal", *VARIANTS.value]})
     finally:
         _kill_all()
         if not WORKDIR.value:
             shutil.rmtree(root, ignore_errors=True)
-    table, out = report(results)
+        if local_root:
+            shutil.rmtree(local_root, ignore_errors=True)
+    table, out = report(rounds)
     out["schedule"] = schedule
     out["load_average"] = os.getloadavg()
     sys.stdout.write(table + "\n\n" + "\n".join(targets(out)) + "\n")

@@ -28,7 +28,8 @@ from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
 from trainer.config import validate  # noqa: E402
 from trainer.program import build_mesh, build_program  # noqa: E402
-from trainer.train import default_compilation_cache_dir, process_start_time, use_compilation_cache  # noqa: E402
+from trainer import compile_cache  # noqa: E402
+from trainer.train import process_start_time  # noqa: E402
 
 PLAIN_SAVE = flags.DEFINE_boolean("plain_save", True, "Save with a plain CheckpointManager (false: never save).")
 
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> None:
     phases["distributed_start"] = time.perf_counter() - begin
     config = validate(trainer_flags.config_from_flags(), jax.device_count())
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value
-    use_compilation_cache(default_compilation_cache_dir() if cache_dir is None else cache_dir)
+    compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     train(config, phases)
 
 

@@ -5,6 +5,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -62,6 +64,26 @@ def test_corrupt_cache_entries_are_one_warning_and_a_compile(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"compilation cache .*compiling instead", result.stderr)) == 1, result.stderr[-3000:]
     assert committed_steps(str(tmp_path / "b")) == [6, 12]
+
+
+def test_every_process_of_a_pod_loads_its_executables_from_the_cache_on_a_restart(tmp_path):
+    # JAX writes entries from process 0 only, and on CPU each process's keys are its own: without
+    # trainer/compile_cache.py's writer, process 1 recompiled everything at every restart while the
+    # pod waited for it.
+    def pod(steps: int) -> dict[int, tuple[int, int]]:
+        result = subprocess.run([sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=1",
+                                 "--", f"--workdir={tmp_path / 'run'}", f"--steps={steps}", "--mesh=data=2",
+                                 "--save_every_steps=3", f"--compilation_cache_dir={tmp_path / 'cache'}"],
+                                env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:]
+        found = re.findall(r"compilation cache: (\d+) of (\d+) lookups hit \(process (\d)\)", result.stdout)
+        return {int(process): (int(hits), int(lookups)) for hits, lookups, process in found}
+
+    cold = pod(3)
+    assert set(cold) == {0, 1} and all(hits == 0 < lookups for hits, lookups in cold.values()), cold
+    warm = pod(6)
+    assert set(warm) == {0, 1} and all(hits == lookups > 0 for hits, lookups in warm.values()), warm
 
 
 def test_cache_dir_that_is_a_file_is_one_warning(tmp_path):

@@ -16,7 +16,7 @@ from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedE
 from checkpointing.config import format_mesh
 from runtime.preemption import PreemptionWatch
 from runtime.watchdog import Watchdog
-from trainer import checkpoints, metrics
+from trainer import checkpoints, compile_cache, metrics
 from trainer import saver as saver_lib
 from trainer.config import TrainConfig
 from trainer.metrics import RunMetrics
@@ -116,6 +116,10 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
                 loss.block_until_ready()
                 log_phase("first_step", time.perf_counter() - tick)
+                hits, lookups = compile_cache.lookups()
+                if lookups:  # every process: each has its own cache entries (trainer/compile_cache.py)
+                    logging.info("compilation cache: %d of %d lookups hit (process %d)", hits, lookups,
+                                 jax.process_index())
             if sync_each_step:
                 loss.block_until_ready()
             done = step + 1

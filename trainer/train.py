@@ -12,14 +12,12 @@ if __name__ == "__main__":
 
 import os  # noqa: E402  (after the SIGTERM guard: importing JAX takes about a second)
 import time  # noqa: E402
-import warnings  # noqa: E402
 
 import jax  # noqa: E402
-from absl import logging  # noqa: E402
 
-from checkpointing.errors import one_line_cause  # noqa: E402
 from checkpointing.storage import check_workdir  # noqa: E402
 from runtime import entry  # noqa: E402
+from trainer import compile_cache  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
 from trainer.config import validate  # noqa: E402
@@ -37,44 +35,6 @@ def process_start_time() -> float | None:
         return None
 
 
-def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jax-checkpoint-service", "compile")
-
-
-def use_compilation_cache(path: str) -> None:
-    """Turns on JAX's persistent compilation cache at `path` (before anything compiles).
-
-    Every entry is cached (min compile time and size 0: the init and batch functions compile in
-    well under JAX's default one second). An unusable directory, a corrupt entry or one JAX cannot
-    load is one warning and a plain compile, never a crash: the cache only saves time.
-    """
-    if not path:
-        return
-    if "://" not in path:
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as err:
-            logging.warning("compilation cache %s is unusable (%s); compiling without it", path, one_line_cause(err))
-            return
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    show = warnings.showwarning
-    warned = []
-
-    # JAX warns once per bad entry; one line says it all (the run compiles what it cannot read).
-    def show_once(message, category, *args, **kwargs):
-        if "persistent compilation cache" not in str(message):
-            return show(message, category, *args, **kwargs)
-        if not warned:
-            warned.append(message)
-            logging.warning("compilation cache %s: %s; compiling instead (later cache errors are not logged)",
-                            path, str(message).splitlines()[0])
-
-    warnings.showwarning = show_once
-
-
 def main(argv: list[str]) -> None:
     started, phases = time.time(), {}
     process_started = process_start_time()
@@ -86,7 +46,7 @@ def main(argv: list[str]) -> None:
     config = validate(trainer_flags.config_from_flags(), jax.device_count())
     check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// endpoint is one line
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
-    use_compilation_cache(default_compilation_cache_dir() if cache_dir is None else cache_dir)
+    compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     try:
         loop.train(config, startup_phases=phases)
     except OSError as err:  # the disk itself, outside a save (full, read-only, gone): name the workdir
