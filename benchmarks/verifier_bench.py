@@ -41,9 +41,11 @@ from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout
 
 _STEPS = flags.DEFINE_integer("steps", 40, "Training steps per run.")
 _SAVE_EVERY = flags.DEFINE_integer("save_every_steps", 8, "Checkpoint interval (steps).")
-_HIDDEN = flags.DEFINE_integer("hidden_dim", 2688, "mlp hidden width (the state must be >= 256 MiB).")
+_HIDDEN = flags.DEFINE_integer("hidden_dim", 2752, "mlp hidden width (the state must be >= 256 MiB).")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "mlp hidden layers.")
-_INPUT = flags.DEFINE_integer("input_dim", 1024, "mlp input features.")
+# The mlp's default 16 features: its cross-layout tolerance was measured there. With 1024 (targets
+# sums of 1024 features, first losses near 8e6) the run diverges across layouts beyond it.
+_INPUT = flags.DEFINE_integer("input_dim", 16, "mlp input features.")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs every variant once.")
 _REPLAY = flags.DEFINE_list("replay_steps", ["100", "0"], "Verifier --replay_steps values, one variant each.")

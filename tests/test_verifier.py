@@ -9,12 +9,12 @@ import pytest
 
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.service import CheckpointService, committed_steps, read_manifest
 from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)
 from trainer import loop
-from trainer.verifier import Verifier, VerifierOptions
+from trainer.verifier import HELD_STATES, Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
 
@@ -83,6 +83,32 @@ def directory_times(workdir):
     """mtime of every directory but verdicts/: a probe file created and deleted still changes it."""
     return sorted((root, os.stat(root).st_mtime_ns) for root, _, _ in os.walk(workdir)
                   if os.path.basename(root) != workdir_lib.VERDICTS_DIR)
+
+
+def test_intact_verdicts_come_before_the_replays_and_each_step_is_restored_once(workdir, trained, monkeypatch):
+    # A step that committed while older ones waited gets its intact verdict before their replays,
+    # and its one restore serves both of its levels.
+    writes, restored = [], []
+    real_restore = CheckpointService.restore
+    monkeypatch.setattr(CheckpointService, "restore",
+                        lambda self, step, *args, **kwargs: restored.append(step) or real_restore(
+                            self, step, *args, **kwargs))
+
+    class Recording(Verifier):
+        def _write(self, verdict):
+            writes.append((verdict["step"], verdict["complete"]))
+            super()._write(verdict)
+
+    Recording(VerifierOptions(workdir=workdir, mesh=(("data", 8),))).verify_pending()
+    steps = committed_steps(workdir)
+    assert steps == [10, 20, 30]
+    expected = []
+    for first in range(0, len(steps), HELD_STATES):
+        chunk = steps[first:first + HELD_STATES]
+        expected += [(step, False) for step in chunk] + [(step, True) for step in chunk]
+    assert writes == expected
+    assert restored == steps
+    assert [verdicts.read_all(workdir)[step]["level"] for step in steps] == ["reproduced"] * 3
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):

@@ -36,6 +36,9 @@ from trainer.config import TrainConfig, validate
 from trainer.program import Program, build_mesh, build_program
 
 INIT = 0  # replayed_from of a proof that starts at the config's init (no checkpoint is step 0)
+# Pending steps proved per pass, their restored states held for their replays: with the anchor and
+# the replay's own state, at most HELD_STATES + 2 states are on the verifier's devices at once.
+HELD_STATES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,16 @@ class Verifier:
         `disk_anchor` is a reproduced step on disk to start from when this process holds none
         newer; `on_intact(verdict)` receives the intact verdict before the replay starts.
         """
+        verdict, restored = self._intact(step)
+        if restored is None:
+            return verdict
+        if on_intact is not None:
+            on_intact(verdict)
+        return self._prove(step, *restored, disk_anchor)
+
+    def _intact(self, step: int) -> tuple[dict, tuple | None]:
+        """(verdict, None) when `step` is not intact (complete), else (its intact verdict,
+        (state, manifest, program, durations)): what its replay needs, restored once."""
         durations, started = {}, time.perf_counter()
         manifest = {}
         try:
@@ -102,9 +115,7 @@ class Verifier:
         intact = self._verdict(step, manifest, "intact", "pass",
                                f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
                                complete=False)
-        if on_intact is not None:
-            on_intact(intact)
-        return self._prove(step, state, manifest, program, durations, disk_anchor)
+        return intact, (state, manifest, program, durations)
 
     def _prove(self, step, state, manifest, program, durations, disk_anchor) -> dict:
         anchor = self._anchor_for(step, manifest, program, disk_anchor)
@@ -222,12 +233,30 @@ class Verifier:
         pending = [step for step in committed if step not in found or not found[step]["complete"]]
         return pending, [step for step in committed if verdicts.is_reproduced(found.get(step))]
 
-    def verify_pending(self) -> list[dict]:
-        """Verifies every pending step once and writes its verdict; returns the verdicts."""
-        written = []
-        for step, disk_anchor in self._agreed_plan():
+    def verify_pending(self, max_steps: int | None = None) -> list[dict]:
+        """Proves the pending steps (the oldest `max_steps` of them; None: all) once each, writes
+        their verdicts and returns the complete ones."""
+        plan = self._agreed_plan()[:max_steps]
+        return [verdict for first in range(0, len(plan), HELD_STATES)
+                for verdict in self._prove_together(plan[first:first + HELD_STATES])]
+
+    def _prove_together(self, plan: list[tuple[int, int | None]]) -> list[dict]:
+        """Intact proofs of every step first, each verdict written as soon as it is known, then the
+        replays in ascending step order: a step that committed while an older one waited gets its
+        intact verdict before that one's replay. Each step is restored once, and its state held
+        for its own replay."""
+        written, replays = [], []
+        for step, disk_anchor in plan:
             # Every process takes part: restores and replays are collective; process 0 writes.
-            verdict = self.verify(step, disk_anchor, on_intact=self._write)
+            verdict, restored = self._intact(step)
+            self._write(verdict)
+            if restored is None:
+                written.append(verdict)
+            else:
+                replays.append((step, restored, disk_anchor))
+        while replays:
+            step, restored, disk_anchor = replays.pop(0)  # its state is released once proved
+            verdict = self._prove(step, *restored, disk_anchor)
             self._write(verdict)
             written.append(verdict)
         return written
@@ -245,12 +274,16 @@ class Verifier:
         """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
         written, delay = [], self.options.poll_secs
         while not stop.is_set():
-            fresh = self.verify_pending()
+            # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
+            fresh = self.verify_pending(max_steps=HELD_STATES)
             written += fresh
             if self._finished(until_step):
                 break
-            delay = self.options.poll_secs if fresh else min(delay * 2, self.options.max_poll_secs)
+            if fresh:  # more may be pending already: list again at once, and back off from the start
+                delay = self.options.poll_secs
+                continue
             stop.wait(delay)
+            delay = min(delay * 2, self.options.max_poll_secs)
         return written
 
     def _agreed_plan(self) -> list[tuple[int, int | None]]:
