@@ -4,6 +4,7 @@ what its verdicts decide (resumes, retention, inspect). Damaged steps: test_veri
 import glob
 import os
 import shutil
+import threading
 
 import pytest
 
@@ -14,7 +15,7 @@ from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)
 from trainer import loop
-from trainer.verifier import HELD_STATES, Verifier, VerifierOptions
+from trainer.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
 
@@ -85,30 +86,52 @@ def directory_times(workdir):
                   if os.path.basename(root) != workdir_lib.VERDICTS_DIR)
 
 
-def test_intact_verdicts_come_before_the_replays_and_each_step_is_restored_once(workdir, trained, monkeypatch):
-    # A step that committed while older ones waited gets its intact verdict before their replays,
-    # and its one restore serves both of its levels.
-    writes, restored = [], []
-    real_restore = CheckpointService.restore
-    monkeypatch.setattr(CheckpointService, "restore",
-                        lambda self, step, *args, **kwargs: restored.append(step) or real_restore(
-                            self, step, *args, **kwargs))
+class RecordingVerifier(Verifier):
+    """The real verifier, recording the order of its verdict writes as (step, complete)."""
 
-    class Recording(Verifier):
-        def _write(self, verdict):
-            writes.append((verdict["step"], verdict["complete"]))
-            super()._write(verdict)
+    def __init__(self, options):
+        super().__init__(options)
+        self.writes = []
 
-    Recording(VerifierOptions(workdir=workdir, mesh=(("data", 8),))).verify_pending()
+    def _write(self, verdict):
+        self.writes.append((verdict["step"], verdict["complete"]))
+        super()._write(verdict)
+
+
+@pytest.fixture
+def restored_steps(monkeypatch):
+    """Every step CheckpointService.restore is asked for, in order (the real restore runs)."""
+    restored, real_restore = [], CheckpointService.restore
+    monkeypatch.setattr(CheckpointService, "restore", lambda self, step, *args, **kwargs: restored.append(step) or
+                        real_restore(self, step, *args, **kwargs))
+    return restored
+
+
+def test_once_proves_two_steps_at_a_time_intact_first_each_restored_once(workdir, trained, restored_steps):
+    # A step waiting behind an older one gets its intact verdict before that one's replay, and its
+    # one restore serves both of its levels.
+    verifier = RecordingVerifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
+    verifier.verify_pending()
     steps = committed_steps(workdir)
     assert steps == [10, 20, 30]
     expected = []
     for first in range(0, len(steps), HELD_STATES):
         chunk = steps[first:first + HELD_STATES]
         expected += [(step, False) for step in chunk] + [(step, True) for step in chunk]
-    assert writes == expected
-    assert restored == steps
+    assert verifier.writes == expected
+    assert restored_steps == steps
     assert [verdicts.read_all(workdir)[step]["level"] for step in steps] == ["reproduced"] * 3
+
+
+def test_follow_proves_new_commits_intact_during_a_replay(workdir, trained, restored_steps):
+    # Under --follow, steps found between replay chunks are proved intact at once (up to
+    # HELD_STATES held): step 30's first verdict does not wait for step 10's 10-step replay.
+    assert HELD_STATES == 2 and REPLAY_CHUNK_STEPS < 10
+    verifier = RecordingVerifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
+    verifier.follow(threading.Event(), until_step=30)
+    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
+    assert restored_steps == [10, 20, 30]
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):

@@ -36,9 +36,11 @@ from trainer.config import TrainConfig, validate
 from trainer.program import Program, build_mesh, build_program
 
 INIT = 0  # replayed_from of a proof that starts at the config's init (no checkpoint is step 0)
-# Pending steps proved per pass, their restored states held for their replays: with the anchor and
-# the replay's own state, at most HELD_STATES + 2 states are on the verifier's devices at once.
+# Restored, intact steps held for their replays: with the anchor, the replay's own state and the
+# step being proved, at most HELD_STATES + 3 states are on the verifier's devices at once.
 HELD_STATES = 2
+# --follow looks for new commits every this many replayed steps and proves them intact at once.
+REPLAY_CHUNK_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,10 @@ class Verifier:
         self._programs: dict[str, tuple[Program, CheckpointService]] = {}  # fixed_hash -> both
         self._anchor: _Anchor | None = None  # the newest step this process reproduced
         self._copies: dict[str, object] = {}  # fixed_hash -> jitted copy onto the state shardings
+        # step -> what its replay needs (state, manifest, program, durations): intact, verdict written
+        self._held: dict[int, tuple] = {}
+        self._intact_between_chunks = False  # --follow: prove new commits intact during a replay
+        self._proving: int | None = None  # the step whose replay is running
 
     def _program_for(self, manifest: dict) -> tuple[Program, CheckpointService]:
         key = manifest["fixed_hash"]
@@ -131,7 +137,7 @@ class Verifier:
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
-        replayed_state, replayed = loop.replay_losses(program, start_state, anchor.step, count)
+        replayed_state, replayed = self._replay(program, start_state, anchor.step, count)
         durations["replay"] = time.perf_counter() - started
         rtol = tolerances.loss_rtol(program.config.model, exact)
         mismatch, largest = compare.compare_losses(replayed, recorded, rtol)
@@ -236,7 +242,11 @@ class Verifier:
     def verify_pending(self, max_steps: int | None = None) -> list[dict]:
         """Proves the pending steps (the oldest `max_steps` of them; None: all) once each, writes
         their verdicts and returns the complete ones."""
-        plan = self._agreed_plan()[:max_steps]
+        plan = self._agreed_plan()
+        planned = {step for step, _ in plan}
+        for step in [step for step in self._held if step not in planned]:
+            del self._held[step]  # deleted or set aside since it was held
+        plan = plan[:max_steps]
         return [verdict for first in range(0, len(plan), HELD_STATES)
                 for verdict in self._prove_together(plan[first:first + HELD_STATES])]
 
@@ -245,21 +255,54 @@ class Verifier:
         replays in ascending step order: a step that committed while an older one waited gets its
         intact verdict before that one's replay. Each step is restored once, and its state held
         for its own replay."""
-        written, replays = [], []
-        for step, disk_anchor in plan:
-            # Every process takes part: restores and replays are collective; process 0 writes.
-            verdict, restored = self._intact(step)
-            self._write(verdict)
-            if restored is None:
+        written = []
+        for step, _ in plan:
+            verdict = self._hold_if_intact(step)
+            if verdict is not None:
                 written.append(verdict)
-            else:
-                replays.append((step, restored, disk_anchor))
-        while replays:
-            step, restored, disk_anchor = replays.pop(0)  # its state is released once proved
-            verdict = self._prove(step, *restored, disk_anchor)
-            self._write(verdict)
-            written.append(verdict)
+        for step, disk_anchor in plan:
+            if step in self._held:  # popped: its state is released once proved
+                self._proving = step
+                try:
+                    verdict = self._prove(step, *self._held.pop(step), disk_anchor)
+                finally:
+                    self._proving = None
+                self._write(verdict)
+                written.append(verdict)
         return written
+
+    def _hold_if_intact(self, step: int) -> dict | None:
+        """Restores `step` (unless held) and writes its intact verdict; holds its state for the
+        replay and returns None, or returns the complete verdict of a step that is not intact."""
+        if step in self._held:
+            return None
+        # Every process takes part: restores and replays are collective; process 0 writes.
+        verdict, restored = self._intact(step)
+        self._write(verdict)
+        if restored is None:
+            return verdict
+        self._held[step] = restored
+        return None
+
+    def _replay(self, program: Program, state, start_step: int, count: int):
+        """loop.replay_losses in chunks; under --follow, steps committed meanwhile are proved intact
+        (and held) between chunks, so their first verdict does not wait for this whole replay."""
+        losses = {}
+        for first in range(start_step, start_step + count, REPLAY_CHUNK_STEPS):
+            steps = min(REPLAY_CHUNK_STEPS, start_step + count - first)
+            state, chunk = loop.replay_losses(program, state, first, steps)
+            losses.update(chunk)
+            if self._intact_between_chunks and first + REPLAY_CHUNK_STEPS < start_step + count:
+                self._prove_new_commits_intact()
+        return state, losses
+
+    def _prove_new_commits_intact(self) -> None:
+        skip = set(self._held) | {self._proving}
+        for step, _ in self._agreed_plan():  # every process the same plan: the restores are collective
+            if len(self._held) >= HELD_STATES:
+                break
+            if step not in skip:
+                self._hold_if_intact(step)
 
     def _write(self, verdict: dict) -> None:
         if jax.process_index() != 0:
@@ -273,6 +316,7 @@ class Verifier:
     def follow(self, stop: threading.Event, until_step: int | None = None) -> list[dict]:
         """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
         written, delay = [], self.options.poll_secs
+        self._intact_between_chunks = True
         while not stop.is_set():
             # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
             fresh = self.verify_pending(max_steps=HELD_STATES)
