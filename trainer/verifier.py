@@ -84,19 +84,6 @@ class Verifier:
 
     # --- one step ------------------------------------------------------------------------------
 
-    def verify(self, step: int, disk_anchor: int | None = None, on_intact=None) -> dict:
-        """Proves `step` as far as it goes and returns the verdict (not written).
-
-        `disk_anchor` is a reproduced step on disk to start from when this process holds none
-        newer; `on_intact(verdict)` receives the intact verdict before the replay starts.
-        """
-        verdict, restored = self._intact(step)
-        if restored is None:
-            return verdict
-        if on_intact is not None:
-            on_intact(verdict)
-        return self._prove(step, *restored, disk_anchor)
-
     def _intact(self, step: int) -> tuple[dict, tuple | None]:
         """(verdict, None) when `step` is not intact (complete), else (its intact verdict,
         (state, manifest, program, durations)): what its replay needs, restored once."""
@@ -124,6 +111,8 @@ class Verifier:
         return intact, (state, manifest, program, durations)
 
     def _prove(self, step, state, manifest, program, durations, disk_anchor) -> dict:
+        """The complete verdict of an intact step: replayed from the newest proved state before it
+        (held here, else `disk_anchor`, a reproduced step on disk, else the config's init)."""
         anchor = self._anchor_for(step, manifest, program, disk_anchor)
         distance = step - anchor.step
         count = min(distance, self.options.replay_steps)
@@ -297,6 +286,8 @@ class Verifier:
         return state, losses
 
     def _prove_new_commits_intact(self) -> None:
+        if len(self._held) >= HELD_STATES:  # the same on every process: they follow one plan
+            return
         skip = set(self._held) | {self._proving}
         for step, _ in self._agreed_plan():  # every process the same plan: the restores are collective
             if len(self._held) >= HELD_STATES:
