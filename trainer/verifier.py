@@ -94,17 +94,18 @@ class Verifier:
             program, service = self._program_for(manifest)
             state = service.restore(step, program.abstract_state).state
         except (FingerprintMismatchError, TreeMismatchError) as err:
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations, mismatch=_leaf_mismatch(err))
+            return self._verdict(step, manifest, "intact", "fail", str(err), durations,
+                                 mismatch=_leaf_mismatch(err)), None
         except CheckpointError as err:
             if step not in committed_steps(self.options.workdir):
                 return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})",
-                                     durations)
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations)
+                                     durations), None
+            return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
         durations["restore"] = time.perf_counter() - started
         problem = _intact_problem(step, state)
         if problem:
             return self._verdict(step, manifest, "intact", "fail", problem.detail, durations,
-                                 mismatch=problem.as_dict())
+                                 mismatch=problem.as_dict()), None
         intact = self._verdict(step, manifest, "intact", "pass",
                                f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
                                complete=False)
