@@ -53,7 +53,7 @@ from absl import app, flags, logging
 
 from benchmarks.common import ROOT
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from trainer.metrics import PHASES, parse_phases
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)

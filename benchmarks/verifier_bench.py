@@ -158,7 +158,8 @@ def run_once(run_dir: str, replay: str | None) -> dict:
 def restore_child(workdir: str) -> None:
     """In a subprocess with the verifier's devices: times plain restores of every step but the first (the warm-up)."""
     import dataclasses, gc, jax  # noqa: E401 (only this child imports jax)
-    from checkpointing.service import CheckpointService, committed_steps, read_manifest
+    from checkpointing.service import CheckpointService
+    from checkpointing.workdir import committed_steps, read_manifest
     from trainer.config import TrainConfig, validate
     from trainer.program import build_mesh, build_program
     steps = committed_steps(workdir)

@@ -32,10 +32,9 @@ import json
 from typing import TYPE_CHECKING, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
+from runtime import collective
 from checkpointing import manifest as manifest_lib
 from checkpointing import orbax_hooks
 from checkpointing import workdir as workdir_lib
@@ -148,10 +147,8 @@ def other_layout(service: "CheckpointService", abstract_state) -> str | None:
             check_layout(mine[-1], service.read_manifest(mine[-1]), abstract_state)
         except (LocalLayoutMismatchError, ManifestError, CorruptCheckpointError) as err:
             problem = str(err)
-    if jax.process_count() == 1:
-        return problem or None
-    flags = np.asarray(multihost_utils.process_allgather(np.int32(bool(problem)))).reshape(-1)
-    first = next((i for i, flag in enumerate(flags.tolist()) if flag), None)
+    flags = collective.gather_ints(bool(problem))
+    first = next((i for i, flag in enumerate(flags) if flag), None)
     if first is None:
         return None
     return problem or f"process {first} holds local steps saved by another layout"
@@ -159,15 +156,7 @@ def other_layout(service: "CheckpointService", abstract_state) -> str | None:
 
 def _every_process_steps(service: "CheckpointService") -> list[set[int]]:
     """Each process's committed local steps (collective: every process calls it)."""
-    mine = service.committed_steps()
-    if jax.process_count() == 1:
-        return [set(mine)]
-    # process_allgather needs one shape everywhere: rows as long as the longest listing, padded with -1.
-    longest = int(np.max(multihost_utils.process_allgather(np.int32(len(mine)))))
-    row = np.full(max(longest, 1), -1, np.int32)
-    row[:len(mine)] = mine
-    rows = np.asarray(multihost_utils.process_allgather(row)).reshape(jax.process_count(), -1)
-    return [set(r.tolist()) - {-1} for r in rows]
+    return [set(steps) for steps in collective.gather_lists(service.committed_steps())]
 
 
 def complete_local_steps(service: "CheckpointService") -> list[int]:
@@ -211,14 +200,14 @@ def on_every_process(step: int, part: Callable):
 def raise_if_any_failed(step: int, failure: CheckpointError | None) -> None:
     """Collective: if any process failed, every process raises the same error class (that of the
     lowest-numbered failing process), so all take the same fallback; a failing one keeps its message."""
-    if jax.process_count() == 1:
+    if collective.process_count() == 1:
         if failure is not None:
             raise failure
         return
     own = 0 if failure is None else 1 + next(
         (i for i, kind in enumerate(_SHARED_OUTCOMES) if isinstance(failure, kind)),
         _SHARED_OUTCOMES.index(CorruptCheckpointError))
-    codes = np.asarray(multihost_utils.process_allgather(np.int32(own))).reshape(-1).tolist()
+    codes = collective.gather_ints(own)
     failed = [index for index, code in enumerate(codes) if code]
     if not failed:
         return

@@ -18,7 +18,7 @@ from etils import epath
 from checkpointing.config import format_mesh
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 
 FORMATS = (".png", ".svg")
 VERDICT_COLOURS = {"reproduced pass": "tab:green", "replayed pass": "tab:olive", "intact pass": "tab:cyan",

@@ -4,9 +4,7 @@ import math
 import time
 from typing import Callable
 
-import jax
-import numpy as np
-from jax.experimental import multihost_utils
+from runtime import collective
 
 
 class SavePolicy:
@@ -56,9 +54,7 @@ class SavePolicy:
             if secs_per_step > 0:
                 steps_ahead = max(1, min(int(gap / secs_per_step), 2**30))
         self._last_check = (step, now)
-        if jax.process_count() > 1:  # process 0's answer, for both, on every process
-            due, steps_ahead = (int(x) for x in multihost_utils.broadcast_one_to_all(
-                np.array([due, steps_ahead], np.int32)))
+        due, steps_ahead = collective.broadcast_ints([due, steps_ahead])  # process 0's answer, for both
         self._next_check_step = step + steps_ahead
         return bool(due)
 

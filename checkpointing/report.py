@@ -4,7 +4,7 @@ from checkpointing.config import format_mesh
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from checkpointing.workdir import fresh_path
 
 

@@ -20,7 +20,6 @@ from typing import Callable, Iterable
 
 import jax
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 from absl import logging
 from orbax.checkpoint import checkpoint_managers
 
@@ -30,8 +29,8 @@ from checkpointing import orbax_hooks
 from checkpointing.config import CheckpointConfig
 from checkpointing import manifest as manifest_lib
 from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import fresh_path
 from checkpointing.checks import check_config_matches, check_fingerprints, check_tree_matches
+from runtime import collective
 from checkpointing.errors import (AsyncSaveError, CorruptCheckpointError, NoSuchCheckpointError,
                                   StepAlreadyCommittedError, one_line_cause)
 
@@ -51,25 +50,6 @@ class RunMetadata:
 class Restored:
     state: object
     manifest: dict
-
-
-def committed_steps(directory: str) -> list[int]:
-    """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed."""
-    fresh_path(directory)
-    path = workdir_lib.checkpoints_dir(directory)
-    if not path.exists():
-        return []
-    return sorted(ocp.path.step.checkpoint_steps(path))
-
-
-def read_manifest(directory: str, step: int) -> dict:
-    """The schema-checked manifest of `step` (the caller knows the step is committed)."""
-    path = workdir_lib.manifest_file(directory, step)
-    try:
-        text = path.read_text()
-    except (OSError, FileNotFoundError) as err:
-        raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err})") from None
-    return manifest_lib.parse(text, f"step {step} manifest")
 
 
 _DEFAULT_CONFIG = CheckpointConfig()
@@ -114,7 +94,7 @@ class CheckpointService:
     # --- listing -------------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        return committed_steps(self.directory)
+        return workdir_lib.committed_steps(self.directory)
 
     def latest_committed_step(self) -> int | None:
         steps = self.committed_steps()
@@ -123,7 +103,7 @@ class CheckpointService:
     def read_manifest(self, step: int) -> dict:
         """The schema-checked manifest of a committed step."""
         self._require_committed(step)
-        return read_manifest(self.directory, step)
+        return workdir_lib.read_manifest(self.directory, step)
 
     # --- saving --------------------------------------------------------------------------------
 
@@ -141,7 +121,7 @@ class CheckpointService:
         # before writing (its checkpointer is always called with force=True): a step another writer
         # committed since this manager listed the directory would be rewritten. One stat in the
         # usual case; on gs:// an uncommitted leftover of a killed save may still be replaced.
-        fresh_path(self.directory)
+        workdir_lib.fresh_path(self.directory)
         path = workdir_lib.step_dir(self.directory, step)
         if path.exists() and step in self.committed_steps():
             raise StepAlreadyCommittedError(
@@ -243,8 +223,8 @@ class CheckpointService:
                 verdict = workdir_lib.verdict_file(self.directory, step)
                 if verdict.exists():
                     verdict.rename(superseded / f"{step}-{stamp}.verdict.json")
-        if steps and jax.process_count() > 1:
-            multihost_utils.sync_global_devices("checkpoint_service_set_aside")
+        if steps:
+            collective.barrier("checkpoint_service_set_aside")
         if steps:
             self._manager.reload()
 

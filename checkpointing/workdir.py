@@ -21,6 +21,7 @@ import re
 from etils import epath
 
 from checkpointing.config import ConfigError
+from checkpointing.errors import CorruptCheckpointError
 
 CHECKPOINTS_DIR = "checkpoints"
 STATE_ITEM = "state"  # Orbax item of the arrays inside a step
@@ -101,3 +102,28 @@ def expand_local_dir(template: str, process_index: int) -> str:
         raise ConfigError(f"--local_dir={template}: unknown placeholder {', '.join(unknown)} "
                           f"(only {PROCESS_PLACEHOLDER} is expanded)")
     return str(template).replace(PROCESS_PLACEHOLDER, str(process_index))
+
+
+# --- what a workdir holds -------------------------------------------------------------------------
+
+def committed_steps(directory: str) -> list[int]:
+    """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed."""
+    fresh_path(directory)
+    path = checkpoints_dir(directory)
+    if not path.exists():
+        return []
+    import orbax.checkpoint as ocp  # imports JAX: the paths above must not (trainer.config uses them)
+
+    return sorted(ocp.path.step.checkpoint_steps(path))
+
+
+def read_manifest(directory: str, step: int) -> dict:
+    """The schema-checked manifest of `step` (the caller knows the step is committed)."""
+    path = manifest_file(directory, step)
+    try:
+        text = path.read_text()
+    except (OSError, FileNotFoundError) as err:
+        raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err})") from None
+    from checkpointing import manifest as manifest_lib  # imports JAX, as above
+
+    return manifest_lib.parse(text, f"step {step} manifest")

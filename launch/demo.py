@@ -33,7 +33,7 @@ from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from checkpointing.config import format_mesh
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from runtime import entry, exit_codes
 from trainer import models, tolerances
 

@@ -1,5 +1,6 @@
-"""The process runtime under the trainer: start-up, the once-per-step preemption decision, the
-watchdog, exit codes, log setup and the one exit-code wrapper every entry point runs in.
+"""The process runtime: start-up, the once-per-step preemption decision, the watchdog, multi-host
+agreement, exit codes, log setup and the one exit-code wrapper every entry point runs in.
 
-Below `trainer` and above `checkpointing`: it may use checkpointing's errors, never the trainer.
+The bottom layer: it imports nothing else of ours, and checkpointing, the trainer and the launchers
+all build on it.
 """

@@ -1,8 +1,8 @@
 """`run(main)`: the one exit-code mapping every entry point runs under (runtime/exit_codes.py).
 
-    bad flags, unexpected arguments, ValueError (ConfigError), BadCheckpointRequest -> 2, one line
+    bad flags, unexpected arguments, ValueError (ConfigError, BadCheckpointRequest) -> 2, one line
     Preempted (its checkpoint committed, or deliberately not started)                -> 75
-    CheckpointError, OSError (the disk or the storage itself)                       -> 1, one line
+    Fault (CheckpointError), OSError (the disk or the storage itself)               -> 1, one line
 A `main` returns an exit code (None is 0) or raises; it never maps an error itself. Imports no JAX:
 the trainer holds SIGTERM before importing it (runtime/distributed.py).
 """
@@ -12,8 +12,8 @@ from typing import Callable
 
 from absl import app, logging
 
-from checkpointing.errors import BadCheckpointRequest, CheckpointError, one_line_cause
 from runtime import exit_codes, logs
+from runtime.causes import one_line_cause
 
 
 def exit_code_of(main: Callable[[list[str]], int | None], argv: list[str], *, takes_arguments: bool = False) -> int:
@@ -29,9 +29,9 @@ def exit_code_of(main: Callable[[list[str]], int | None], argv: list[str], *, ta
     except exit_codes.Preempted as preempted:
         logging.warning("%s: exiting with %d so the scheduler requeues the job", preempted, exit_codes.PREEMPTED)
         return exit_codes.PREEMPTED
-    except (ValueError, BadCheckpointRequest) as err:
+    except ValueError as err:  # ConfigError, and checkpointing's BadCheckpointRequest
         exit_codes.exit_bad_input(err)
-    except CheckpointError as err:
+    except exit_codes.Fault as err:  # checkpointing's CheckpointError
         logs.exit_failure(str(err), err)
     except OSError as err:
         logs.exit_failure(f"{err.filename or 'storage'}: {one_line_cause(err)}", err)

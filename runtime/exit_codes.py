@@ -15,12 +15,24 @@ BAD_INPUT = 2  # bad flags, a checkpoint that does not match the program, an unu
 PREEMPTED = 75  # EX_TEMPFAIL: preempted, the final checkpoint committed, requeue me
 
 
-class Preempted(Exception):
-    """The run was preempted at `step` and that step's checkpoint committed: exit PREEMPTED."""
+class Fault(Exception):
+    """A fault of the storage or the run (not of the command): one `error:` line, exit FAILURE.
+    checkpointing's errors derive from it; a ValueError among them is bad input instead."""
+
+
+class Preempted(SystemExit):
+    """The run was preempted at `step` and that step's checkpoint committed: exit PREEMPTED.
+
+    A SystemExit, so a user's own loop that does not catch it exits 75 without a traceback, and an
+    `except Exception` on the way out does not swallow the requeue."""
 
     def __init__(self, step: int, message: str | None = None):
-        super().__init__(message or f"preempted at step {step}; its checkpoint committed")
+        super().__init__(PREEMPTED)
+        self.message = message or f"preempted at step {step}; its checkpoint committed"
         self.step = step
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def exit_bad_input(error: Exception) -> None:

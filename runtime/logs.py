@@ -14,8 +14,8 @@ import threading
 
 from absl import logging
 
-from checkpointing.errors import one_line_cause
 from runtime import exit_codes
+from runtime.causes import one_line_cause
 
 _CHATTY_LIBRARIES = ("/orbax/", "/jax/_src/", "/etils/", "/tensorstore/", "/gcsfs/", "/fsspec/", "/aiohttp/",
                      "/asyncio/", "/concurrent/futures/")

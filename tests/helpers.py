@@ -128,7 +128,7 @@ def snapshot(path: str) -> dict[str, str] | None:
 
 def committed_snapshot(workdir: str) -> dict[int, dict[str, str]]:
     """Each committed step's files and their hashes."""
-    from checkpointing.service import committed_steps
+    from checkpointing.workdir import committed_steps
 
     return {step: snapshot(checkpoint_dir(workdir, str(step))) for step in committed_steps(workdir)}
 

@@ -8,7 +8,7 @@ import time
 
 from checkpointing import lease as lease_lib
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from checkpointing.workdir import step_dir as step_path
 
 

@@ -17,7 +17,7 @@ from checkpointing import manifest as manifest_lib
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import (ConfigMismatchError, ManifestError, NoSuchCheckpointError,
                                   TreeMismatchError)
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
 from trainer import tolerances
 from trainer import checkpoints, loop

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from runtime import exit_codes
 from launch.pod import free_port
 from tests import helpers

@@ -25,7 +25,7 @@ def run(module, *flags, gcs_env, device_count=8):
 def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     from checkpointing import verdicts
     from checkpointing.report import recorded_losses
-    from checkpointing.service import committed_steps
+    from checkpointing.workdir import committed_steps
 
     workdir = helpers.gs_workdir("run")
     result = run("trainer.train", f"--workdir={workdir}", "--steps=40", "--max_to_keep=2", *TRAIN, gcs_env=gcs_env)
@@ -66,7 +66,7 @@ def _uncommitted_steps(workdir: str) -> list[int]:
 
 def test_kill_9_during_an_async_save_on_gcs_never_lists_that_step_and_the_resume_is_exact(gcs_env, tmp_path):
     from checkpointing.report import recorded_losses
-    from checkpointing.service import committed_steps
+    from checkpointing.workdir import committed_steps
 
     workdir = helpers.gs_workdir("killed")
     flags = [f"--workdir={workdir}", "--steps=60", "--max_to_keep=100", *TRAIN, "--hidden_dim=256"]

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from tests import helpers
 from trainer import checkpoints
 from trainer.config import TrainConfig, validate

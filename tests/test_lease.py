@@ -13,7 +13,7 @@ import pytest
 from checkpointing import lease as lease_lib
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import StepAlreadyCommittedError, WorkdirLeasedError
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from tests import helpers
 from tests.lease_records import committed_files, contend, files, write_record
 from trainer import checkpoints, loop

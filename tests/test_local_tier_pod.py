@@ -20,7 +20,7 @@ import tensorstore as ts
 from checkpointing import workdir as workdir_lib
 from checkpointing.compare import compare_losses
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from runtime import exit_codes
 from tests import helpers
 from tests.test_pod import pod_command, trainer_pids

@@ -13,7 +13,7 @@ import pytest
 from checkpointing import manifest as manifest_lib
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import CorruptCheckpointError, ManifestError
-from checkpointing.service import read_manifest
+from checkpointing.workdir import read_manifest
 
 
 def _manifest():

@@ -11,7 +11,7 @@ import pytest
 from checkpointing import workdir as workdir_lib
 from checkpointing import plot, verdicts
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from tests import helpers
 from trainer import loop, metrics
 

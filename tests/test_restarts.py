@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from checkpointing.workdir import step_dir
 from tests import helpers
 

@@ -23,7 +23,7 @@ import pytest
 
 from checkpointing import verdicts
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from runtime import exit_codes
 from tests import helpers
 from tests.slurm_cluster import SlurmCluster, why_unavailable

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpointing import compare, verdicts
 from checkpointing.report import recorded_losses
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
 from trainer import models, tolerances, train
 from trainer.config import ConfigError

@@ -10,7 +10,8 @@ import pytest
 
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import CheckpointService, committed_steps, read_manifest
+from checkpointing.service import CheckpointService
+from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)

@@ -29,7 +29,8 @@ from checkpointing import workdir as workdir_lib
 from checkpointing.checks import check_config_matches
 from checkpointing.errors import (BadCheckpointRequest, CheckpointError, CorruptCheckpointError,
                                   FingerprintMismatchError, ManifestError, NoSuchCheckpointError)
-from checkpointing.service import CheckpointService, RunMetadata, committed_steps, read_manifest
+from checkpointing.service import CheckpointService, RunMetadata
+from checkpointing.workdir import committed_steps, read_manifest
 from trainer.config import TrainConfig
 from trainer.program import Program
 

@@ -23,7 +23,7 @@ from etils import epath
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import one_line_cause
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 
 PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
 PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")

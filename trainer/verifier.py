@@ -30,7 +30,8 @@ from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing.errors import CheckpointError, FingerprintMismatchError, TreeMismatchError
-from checkpointing.service import CheckpointService, committed_steps, read_manifest
+from checkpointing.service import CheckpointService
+from checkpointing.workdir import committed_steps, read_manifest
 from trainer import loop, tolerances
 from trainer.config import TrainConfig, validate
 from trainer.program import Program, build_mesh, build_program

@@ -14,7 +14,7 @@ import jax
 from absl import flags, logging
 
 from checkpointing import verdicts
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
 from checkpointing.config import ConfigError

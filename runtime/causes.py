@@ -1,0 +1,76 @@
+"""One short line naming a fault's root cause, whatever library raised it.
+
+Orbax, TensorStore, gcsfs and asyncio wrap one root cause in several layers; TensorStore appends
+a 60-line JSON spec. A fault must read as one line, so these name the cause a person acts on.
+Below every other package of ours: the entry points' one line and the checkpoint errors use it.
+"""
+
+import errno
+import os
+import re
+
+_CAUSES = (
+    ("no space left on device", ("no space left on device", "os_error_code='28'", "enospc")),
+    ("unreachable", ("cannot connect to host", "connection refused", "connect call failed",
+                     "couldn't connect to server", "failed to connect", "network is unreachable",
+                     "could not resolve host", "name or service not known", "connection reset")),
+    ("file truncated", ("truncated", "unexpected end of", "end of file", "data_loss", "out_of_range")),
+    ("file missing", ("not_found", "no such file or directory")),
+    ("permission denied", ("permission denied", "permission_denied", "read-only file system")),
+)
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and everything it was raised from or during (causes, contexts, group members)."""
+    seen, order, todo = set(), [], [error]
+    while todo and len(order) < 50:
+        err = todo.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        order.append(err)
+        todo += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+    return order
+
+
+def _endpoint(text: str) -> str:
+    """The host:port a connection error names, as the URL the environment gives it if any."""
+    match = re.search(r"(?:host|connect to|server at)\s+'?([\w.\-\[\]:]+:\d+)", text, re.IGNORECASE)
+    host = match.group(1) if match else ""
+    for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+        url = os.environ.get(name, "")
+        if url and (not host or host in url):
+            return url.rstrip("/")
+    return host or "the storage endpoint"
+
+
+def one_line_cause(error: BaseException) -> str:
+    """One short line naming the root cause of `error` and its whole chain, e.g.
+    "no space left on device", "endpoint http://127.0.0.1:8080 unreachable", "file truncated";
+    otherwise the innermost message's first line, without TensorStore's spec, at most 200 characters.
+    """
+    chain = _chain(error)
+    texts = [f"{type(err).__name__}: {err}".lower() for err in chain]
+    for cause, markers in _CAUSES:
+        hits = [i for i, (err, text) in enumerate(zip(chain, texts))
+                if any(marker in text for marker in markers)
+                or cause == "no space left on device" and getattr(err, "errno", None) == errno.ENOSPC]
+        if not hits:
+            continue
+        if cause == "unreachable":
+            return f"endpoint {_endpoint(str(chain[hits[-1]]))} unreachable"
+        if cause in ("file missing", "file truncated"):
+            text = str(chain[hits[-1]])
+            path, leaf = _quoted_path(text), re.search(r'Error (?:reading|writing) "([^"/]+)/', text)
+            return (f"{cause}: {path}" if path else cause) + (f" (leaf {leaf.group(1)})" if leaf else "")
+        return cause
+    root = chain[-1] if chain else error
+    text = str(root).split(" [tensorstore_spec=")[0].strip().splitlines()
+    line = text[0] if text else type(root).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _quoted_path(text: str) -> str:
+    """The first quoted file path in a TensorStore/OS message, if any."""
+    match = re.search(r"['\"](/[^'\"]+|gs://[^'\"]+)['\"]", text)
+    return match.group(1) if match else ""
