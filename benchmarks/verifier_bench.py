@@ -2,7 +2,7 @@
 
 The real trainer (`python -m trainer.train`, mlp, data=4,model=2 over 8 fake CPU devices, params +
 two Adam moments >= 256 MiB) runs as a subprocess, alone or with the real verifier following it
-(`python -m trainer.verify --follow --mesh=<--verifier_mesh>`, by default data=4,model=2 on 8 fake CPU
+(`python -m verifier.verify --follow --mesh=<--verifier_mesh>`, by default data=4,model=2 on 8 fake CPU
 devices of its own, polling every 0.1-0.5s),
 one verifier variant per --replay_steps value (its default 100, and 0: intact proofs only):
 
@@ -116,8 +116,8 @@ def run_once(run_dir: str, replay: str | None) -> dict:
              f"--hidden_dim={_HIDDEN.value}", f"--num_layers={_LAYERS.value}", f"--input_dim={_INPUT.value}",
              f"--batch_size={_BATCH.value}", f"--steps={_STEPS.value}", f"--save_every_steps={_SAVE_EVERY.value}",
              "--max_to_keep=100"]
-    verify = [sys.executable, "-m", "trainer.verify", f"--workdir={ckpt}", f"--mesh={_VERIFIER_MESH.value}", "--follow",
-              "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={replay}"]
+    verify = [sys.executable, "-m", "verifier.verify", f"--workdir={ckpt}", f"--mesh={_VERIFIER_MESH.value}",
+              "--follow", "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={replay}"]
     commits, verdicts, complete, procs = {}, {}, {}, {}
     dirs = str(step_dir(ckpt, 0).parent), str(verdict_file(ckpt, 0).parent)  # '<step>', '<step>.json' inside
     try:  # the verifier first, so that it is polling by the first commit

@@ -73,7 +73,7 @@ class CheckpointConfig:
     keep_every_steps: int = option(0, "Steps that are multiples of this are kept forever; 0 disables.", minimum=0)
     async_save: bool = option(True, "Write checkpoints in the background; the step blocks only for the copy.")
     resume_from: str = option("latest", "latest | latest_verified | none (fresh; refuses a workdir with "
-                                        "checkpoints) | STEP (see trainer/checkpoints.py).")
+                                        "checkpoints) | STEP (see checkpointing/restore.py).")
     preemption_grace_secs: float = option(60.0, "After a preemption decision the save must commit within this "
                                                 "many seconds, else exit 1.", positive=True)
     local_dir: str = option("", "Each host's own fast storage (RAM disk, local SSD) for the local tier; '{process}' "
@@ -82,6 +82,9 @@ class CheckpointConfig:
     local_save_every_steps: int = option(0, "Save to --local_dir when the step is a multiple of this; 0: only at "
                                             "a preemption.", minimum=0)
     local_max_to_keep: int = option(2, "Newest local steps each host keeps.", minimum=1)
+    init_from: str = option("", "A fresh run starts from another run's committed step, WORKDIR[:STEP] (newest if no "
+                                "STEP): its params, with this run's fresh optimizer state. Recorded in every manifest; "
+                                "the verifier proves the run from that step's fingerprints, not from the seed.")
     lease_secs: float = option(60.0, "The workdir lease expires this long after its holder's last renewal "
                                      "(renewed every quarter): a restart after a kill on another host waits "
                                      "at most this.", positive=True)

@@ -19,6 +19,10 @@ Fields:
   tier           optional: "local" for a step in one process's local directory (absent: persistent)
   process_index  local steps: the process that wrote it; with mesh and process_count, its layout
   local_shards   local steps: digest of the shards that process holds (checkpointing/local_tier.py)
+  program        optional: "package.module:factory", what the verifier imports to replay the run
+                 (checkpointing/replay.py); absent: the built-in trainer's program
+  init_from      optional: {"workdir", "step", "digest"}, the other run's committed step whose params
+                 this run started from (--init_from); its proofs start there, not at the seed
   digest         sha256 of every other field in canonical JSON (sorted keys, no spaces): an edited
                  loss, fingerprint or config field makes the step corrupt instead of framing a
                  neighbour's proof (a check against accidents, not a signature)
@@ -63,6 +67,14 @@ _SCHEMA: dict[str, tuple[type | tuple, Any]] = {
 }
 
 
+# Optional fields, checked when present.
+_OPTIONAL: dict[str, Any] = {
+    "program": lambda v: isinstance(v, str) and v.count(":") == 1,
+    "init_from": lambda v: isinstance(v, dict) and isinstance(v.get("workdir"), str)
+    and isinstance(v.get("step"), int) and not isinstance(v.get("step"), bool) and isinstance(v.get("digest"), str),
+}
+
+
 def package_versions() -> dict[str, str]:
     return {name: importlib.metadata.version(name) for name in _PACKAGES}
 
@@ -75,7 +87,7 @@ def leaf_table(tree) -> dict[str, dict]:
 
 def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], losses: dict[int, float],
           config: dict, fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str,
-          extra: dict | None = None, tier_fields: dict | None = None) -> dict:
+          extra: dict | None = None, tier_fields: dict | None = None, identity_fields: dict | None = None) -> dict:
     """`leaves` is leaf_table(state); each entry gets its fingerprint; `tier_fields`: a local step's layout."""
     leaves = {path: {**leaf, "fingerprint": fingerprints[path]} for path, leaf in leaves.items()}
     manifest = {
@@ -95,6 +107,7 @@ def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], l
     if extra:  # optional, so older manifests stay valid; covered by the digest like every field
         manifest["extra"] = dict(extra)
     manifest.update(tier_fields or {})  # absent on persistent steps, so their manifests are as before
+    manifest.update({k: v for k, v in (identity_fields or {}).items() if v})  # program, init_from
     manifest["digest"] = digest(manifest)
     validate(manifest)
     return manifest
@@ -118,6 +131,9 @@ def validate(manifest: Any, where: str = "manifest") -> dict:
         if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
             raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}, got {type(value).__name__}")
         if check is not None and not check(value):
+            raise ManifestError(f"{where}: field {field!r} has an invalid value")
+    for field, check in _OPTIONAL.items():
+        if field in manifest and not check(manifest[field]):
             raise ManifestError(f"{where}: field {field!r} has an invalid value")
     if manifest["format"] >= 2 and manifest.get("digest") != digest(manifest):
         raise ManifestError(f"{where}: content does not match its digest (edited or damaged after the save)")

@@ -15,6 +15,8 @@
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import time
 from typing import Callable, Iterable
 
@@ -44,6 +46,17 @@ class RunMetadata:
     fixed_fields: dict  # fields a resume must not change
     fixed_hash: str
     mesh: dict[str, int]
+    program: str | None = None  # "package.module:factory" the verifier replays with (checkpointing/replay.py)
+    init_from: dict | None = None  # {"workdir", "step", "digest"}: the other run's step this one started from
+
+    @classmethod
+    def of_run(cls, config: dict, fixed: Iterable[str], mesh: dict[str, int], **identity) -> "RunMetadata":
+        """The identity of a run from its whole config (JSON) and the names of the fields a resume must
+        not change; the hash is of those fields alone, so the others (cadences, the mesh) may change."""
+        fixed_fields = {name: config[name] for name in fixed}
+        blob = json.dumps(fixed_fields, sort_keys=True).encode()
+        return cls(config=config, fixed_fields=fixed_fields, fixed_hash=hashlib.sha256(blob).hexdigest()[:16],
+                   mesh=dict(mesh), **identity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +155,8 @@ class CheckpointService:
             return manifest_lib.build(
                 step=step, leaves=leaves, fingerprints=fingerprint_lib.to_ints(fingerprints.result()), losses=losses,
                 config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
-                reason=reason, extra=extra, tier_fields=tier_fields)
+                reason=reason, extra=extra, tier_fields=tier_fields,
+                identity_fields={"program": run.program, "init_from": run.init_from})
 
         started = time.perf_counter()
         try:

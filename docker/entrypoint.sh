@@ -1,7 +1,7 @@
 #!/bin/sh
 # The image's entry point: the first argument names what to run, the rest are its flags.
 #   train    python -m trainer.train         (one process per host; exit 75 = preempted, requeue)
-#   verify   python -m trainer.verify        (the verifier, e.g. --mesh=data=4 --follow)
+#   verify   python -m verifier.verify        (the verifier, e.g. --mesh=data=4 --follow)
 #   inspect  python -m trainer.inspect (committed steps of a workdir)
 #   local    python -m launch.local          (a local pod on fake CPU devices: a smoke test)
 #   help     this text
@@ -17,7 +17,7 @@ usage() {
 command_word="${1:-}"
 case "$command_word" in
   train) module=trainer.train ;;
-  verify) module=trainer.verify ;;
+  verify) module=verifier.verify ;;
   inspect) module=trainer.inspect ;;
   local) module=launch.local ;;
   help | -h | --help) usage; exit 0 ;;

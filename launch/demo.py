@@ -35,7 +35,7 @@ from checkpointing.config import format_mesh
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import entry, exit_codes
-from trainer import models, tolerances
+from trainer import models
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Where the demo's runs go (created).")
 STEPS = flags.DEFINE_integer("steps", 300, "Steps of the training job.", lower_bound=20)
@@ -113,7 +113,7 @@ def run_demo(root: str, steps: int, save_every_steps: int, model: str) -> bool:
                                    os.path.join(logs_dir, "4-resumed.log"))) == exit_codes.OK
 
     logging.info("5/5 the verifier: its own process, data=2")
-    ok &= _run("verifier", _pod(1, 2, "trainer.verify", [f"--workdir={run}", "--mesh=data=2", "--once"],
+    ok &= _run("verifier", _pod(1, 2, "verifier.verify", [f"--workdir={run}", "--mesh=data=2", "--once"],
                                 os.path.join(logs_dir, "5-verifier.log"))) == exit_codes.OK
 
     sys.stdout.write(report(run, reference, preempted_at, model) + "\n")
@@ -129,11 +129,10 @@ def equal_loss_lists(run: str, reference: str, preempted_at: int, model: str) ->
         return False, f"the runs recorded different steps ({len(resumed)} vs {len(expected)})"
     before = [s for s in expected if s < preempted_at]
     after = [s for s in expected if s >= preempted_at]
-    rtol = tolerances.loss_rtol(model, exact=False)
+    rtol = models.resolve(model).cross_mesh_loss_rtol
     # The verifier's own rule and comparison: bit-exact on the same layout, the model's rtol on
     # another, NaN always fails.
-    same = tolerances.loss_rtol(model, exact=True)
-    exact = compare.compare_losses(resumed, {s: expected[s] for s in before}, same)[0] is None
+    exact = compare.compare_losses(resumed, {s: expected[s] for s in before}, 0.0)[0] is None
     mismatch, worst = compare.compare_losses(resumed, {s: expected[s] for s in after}, rtol)
     holds = exact and mismatch is None
     return holds, (f"steps 0..{preempted_at - 1} {'bit-identical' if exact else 'DIFFER'} (same 2x4 layout); "

@@ -17,9 +17,8 @@ from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from tests import helpers
-from trainer import checkpoints
 from trainer.program import build_mesh, build_program
-from trainer.verifier import Verifier, VerifierOptions
+from verifier.verifier import Verifier, VerifierOptions
 
 RUN = {**helpers.SHARED_RUN, "steps": 30}  # commits 10, 20, 30
 RUN_40 = {**RUN, "steps": 40}
@@ -38,10 +37,10 @@ def rewrite_step(config, step, mutate, *, keep_saved_fingerprints):
     the original arrays); False models a trainer bug that saved the wrong state consistently.
     """
     program = build_program(config, build_mesh(config))
-    restored = checkpoints.open_service(config, program).restore(step, program.abstract_state)
+    restored = helpers.open_service(config, program).restore(step, program.abstract_state)
     state = mutate(restored.state)
     shutil.rmtree(helpers.checkpoint_dir(config.workdir, str(step)))
-    service = checkpoints.open_service(config, program)
+    service = helpers.open_service(config, program)
     service.save(step, state, losses=manifest_lib.losses(restored.manifest), reason=restored.manifest["reason"])
     service.wait_until_finished()
     if keep_saved_fingerprints:

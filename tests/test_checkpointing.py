@@ -19,8 +19,10 @@ from checkpointing.errors import (ConfigMismatchError, ManifestError, NoSuchChec
                                   TreeMismatchError)
 from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
-from trainer import tolerances
-from trainer import checkpoints, loop
+from trainer import models
+from runtime.watchdog import Watchdog
+from trainer import loop
+from verifier.program import replay_losses
 from trainer.program import build_mesh, build_program
 
 
@@ -43,7 +45,7 @@ def trained(trained_copy, workdir):
 def restore_on(config, mesh_name, step):
     config = dataclasses.replace(config, mesh=helpers.MESHES[mesh_name])
     program = build_program(config, build_mesh(config))
-    service = checkpoints.open_service(config, program)
+    service = helpers.open_service(config, program)
     return program, service.restore(step, program.abstract_state)
 
 
@@ -67,31 +69,32 @@ def test_restore_onto_another_mesh_is_exact_and_continues_within_tolerance(train
     assert restored.state.params["Dense_0"]["kernel"].sharding.mesh.shape == program.mesh.shape
     saved_on_origin = restore_on(config, "data=4,model=2", 10)[1].state
     assert helpers.leaves_equal(restored.state, saved_on_origin)
-    _, resumed = loop.replay_losses(program, restored.state, 10, 10)
+    _, resumed = replay_losses(program, restored.state, 10, 10)
     expected = {s: uninterrupted[s] for s in range(10, 20)}
-    assert helpers.max_relative_difference(resumed, expected) <= tolerances.loss_rtol("mlp", exact=False)
+    assert helpers.max_relative_difference(resumed, expected) <= models.resolve("mlp").cross_mesh_loss_rtol
 
 
 def test_restore_in_a_one_device_process(trained):
     config, uninterrupted = trained, loop.read_metrics(trained.workdir)
     script = textwrap.dedent(f"""
         import dataclasses, json
-        from trainer import checkpoints, loop
+        from tests import helpers
+        from verifier.program import replay_losses
         from trainer.config import TrainConfig, validate
         from trainer.program import build_mesh, build_program
         import jax
         fields = json.loads({json.dumps(config.to_json())!r})
         config = validate(dataclasses.replace(TrainConfig.from_json(fields), mesh=()), 1)
         program = build_program(config, build_mesh(config))
-        restored = checkpoints.open_service(config, program).restore(10, program.abstract_state)
-        _, losses = loop.replay_losses(program, restored.state, 10, 10)
+        restored = helpers.open_service(config, program).restore(10, program.abstract_state)
+        _, losses = replay_losses(program, restored.state, 10, 10)
         print(json.dumps(losses))
     """)
     result = helpers.run_python(script, device_count=1)
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = {int(s): v for s, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
     expected = {s: uninterrupted[s] for s in range(10, 20)}
-    assert helpers.max_relative_difference(resumed, expected) <= tolerances.loss_rtol("mlp", exact=False)
+    assert helpers.max_relative_difference(resumed, expected) <= models.resolve("mlp").cross_mesh_loss_rtol
 
 
 def test_broken_resumes_are_caught_by_the_loss_list_not_the_first_loss(workdir, trained):
@@ -108,9 +111,9 @@ def test_broken_resumes_are_caught_by_the_loss_list_not_the_first_loss(workdir, 
     no_moments = state.replace(opt_state=(adam._replace(mu=jax.tree.map(jnp.zeros_like, adam.mu),
                                                         nu=jax.tree.map(jnp.zeros_like, adam.nu)),)
                                + tuple(state.opt_state[1:]))
-    _, without_moments = loop.replay_losses(program, no_moments, 10, 10)
-    _, from_zero = loop.replay_losses(program, copy_of_restored(), 0, 10)
-    _, correct = loop.replay_losses(program, copy_of_restored(), 10, 10)
+    _, without_moments = replay_losses(program, no_moments, 10, 10)
+    _, from_zero = replay_losses(program, copy_of_restored(), 0, 10)
+    _, correct = replay_losses(program, copy_of_restored(), 10, 10)
 
     assert correct == recorded
     from_zero = dict(zip(range(10, 20), from_zero.values()))
@@ -124,7 +127,7 @@ def test_a_changed_fixed_config_field_is_refused_by_name(trained):
     wider = dataclasses.replace(config, hidden_dim=config.hidden_dim * 2)
     program = build_program(wider, build_mesh(wider))
     with pytest.raises(ConfigMismatchError, match="hidden_dim: checkpoint 64 vs this run 128"):
-        checkpoints.open_service(wider, program).restore(20, program.abstract_state)
+        helpers.open_service(wider, program).restore(20, program.abstract_state)
 
 
 def _modified_target(abstract, edit):
@@ -143,7 +146,7 @@ def _modified_target(abstract, edit):
 def test_a_tree_mismatch_is_refused_naming_the_path(trained, change, message):
     config = trained
     program = build_program(config, build_mesh(config))
-    service = checkpoints.open_service(config, program)
+    service = helpers.open_service(config, program)
     abstract = program.abstract_state
     params = jax.tree.map(lambda x: x, abstract.params)
     bias = params["Dense_0"]["bias"]
@@ -165,10 +168,10 @@ def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_
     leftover = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
     shutil.copytree(helpers.checkpoint_dir(workdir, "20"), leftover)  # a full-looking step, never renamed
     assert committed_steps(workdir) == [10, 20]
-    program = build_program(config, build_mesh(config))
-    service = checkpoints.open_service(config, program)
-    start_step, _, _ = checkpoints.restore_or_init(program, service, checkpoints.resume_candidates(config))
-    assert start_step == 20
+    mesh = build_mesh(config)
+    with loop.open_checkpointer(config, mesh, Watchdog(60)) as checkpointer:
+        program = build_program(config, mesh)
+        assert checkpointer.restore_or_init(program.abstract_state, program.init_fn).step == 20
     assert not os.path.exists(leftover)
 
 
@@ -178,17 +181,17 @@ def test_a_failed_background_save_leaves_the_previous_step_latest(workdir):
         import resource, signal, time
         from checkpointing.errors import AsyncSaveError
         from tests import helpers
-        from trainer import checkpoints, loop
+        from verifier.program import replay_losses
         from trainer.program import build_mesh, build_program
         config = helpers.small_config({workdir!r}, steps=10, save_every_steps=5, max_to_keep=50)
         program = build_program(config, build_mesh(config))
-        service = checkpoints.open_service(config, program)
+        service = helpers.open_service(config, program)
         _, losses = None, None
         state = program.init_fn()
-        state, losses = loop.replay_losses(program, state, 0, 5)
+        state, losses = replay_losses(program, state, 0, 5)
         service.save(5, state, losses=losses, reason="interval")
         service.wait_until_finished()
-        state, losses = loop.replay_losses(program, state, 5, 5)
+        state, losses = replay_losses(program, state, 5, 5)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG instead of being killed
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (512, hard))
@@ -209,7 +212,7 @@ def test_a_failed_background_save_leaves_the_previous_step_latest(workdir):
     assert committed_steps(workdir) == [5]
     config = helpers.small_config(workdir, steps=10)
     program = build_program(config, build_mesh(config))
-    restored = checkpoints.open_service(config, program).restore(5, program.abstract_state)
+    restored = helpers.open_service(config, program).restore(5, program.abstract_state)
     assert int(restored.state.step) == 5
 
 

@@ -106,6 +106,6 @@ def test_replace_names_checkpoint_fields_directly():
 
 def test_the_verifier_refuses_a_trainer_flag(tmp_path):
     """The verifier reads the run's config from its manifests: a trainer flag would be silently ignored."""
-    result = helpers.run_module("trainer.verify", f"--workdir={tmp_path}", "--once", "--steps=5", timeout=120)
+    result = helpers.run_module("verifier.verify", f"--workdir={tmp_path}", "--once", "--steps=5", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: Unknown command line flag 'steps'"]

@@ -21,7 +21,7 @@ from tests import helpers
 DOCKER_DIR = os.path.join(helpers.REPO_ROOT, "docker")
 ENTRYPOINT = os.path.join(DOCKER_DIR, "entrypoint.sh")
 # The command words the recipes and the README use, and the modules they must run.
-COMMANDS = {"train": "trainer.train", "verify": "trainer.verify", "inspect": "trainer.inspect",
+COMMANDS = {"train": "trainer.train", "verify": "verifier.verify", "inspect": "trainer.inspect",
             "local": "launch.local"}
 
 

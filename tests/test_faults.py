@@ -103,7 +103,7 @@ def test_disk_full_verdict_write_is_one_line_and_leaves_no_tmp_file(small_disk, 
     os.makedirs(os.path.join(workdir, workdir_lib.VERDICTS_DIR), exist_ok=True)
     fill(small_disk)
 
-    result = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
+    result = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
                                 "--replay_steps=0", device_count=2)
     line = helpers.fault_line(result, exit_codes.FAILURE)
     path = workdir_lib.verdict_file(workdir, 10)
@@ -142,7 +142,7 @@ def test_disk_full_metrics_append_warns_and_training_goes_on(small_disk, caplog)
 
 @pytest.mark.parametrize("module, flags", [
     ("trainer.inspect", []),
-    ("trainer.verify", ["--mesh=data=2", "--once"]),
+    ("verifier.verify", ["--mesh=data=2", "--once"]),
     ("trainer.train", ["--mesh=data=2", "--batch_size=32", "--steps=10"]),
 ])
 def test_an_unreachable_gcs_endpoint_is_one_line_naming_it_after_the_storage_timeout(module, flags):
@@ -160,7 +160,7 @@ def test_an_unreachable_gcs_endpoint_is_one_line_naming_it_after_the_storage_tim
 
 # --- a missing workdir ------------------------------------------------------------------------------
 
-READERS = {"inspect": ("trainer.inspect", []), "verify": ("trainer.verify", ["--mesh=data=2", "--once"])}
+READERS = {"inspect": ("trainer.inspect", []), "verify": ("verifier.verify", ["--mesh=data=2", "--once"])}
 
 
 @pytest.mark.parametrize("reader", sorted(READERS))

@@ -31,7 +31,7 @@ def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     result = run("trainer.train", f"--workdir={workdir}", "--steps=40", "--max_to_keep=2", *TRAIN, gcs_env=gcs_env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert committed_steps(workdir) == [30, 40], "retention keeps the newest two"
-    verify = run("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", gcs_env=gcs_env, device_count=2)
+    verify = run("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", gcs_env=gcs_env, device_count=2)
     assert verify.returncode == 0, verify.stderr[-3000:]
     found = verdicts.read_all(workdir)
     # Retention deleted 10 and 20 first: step 30 is proved from the init, 40 from 30.
@@ -95,7 +95,7 @@ def test_follow_verifier_over_gcs(gcs_env, tmp_path):
     from checkpointing import verdicts
 
     workdir = helpers.gs_workdir("follow")
-    with helpers.started_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",
+    with helpers.started_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",
                                 "--poll_secs=0.2", "--max_poll_secs=1", device_count=2,
                                 log_path=str(tmp_path / "verifier.log"), **gcs_env) as verifier:
         result = run("trainer.train", f"--workdir={workdir}", "--steps=30", "--max_to_keep=100", *TRAIN,

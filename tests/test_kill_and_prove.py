@@ -18,7 +18,6 @@ import pytest
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps
 from tests import helpers
-from trainer import checkpoints
 from trainer.config import TrainConfig, validate
 from trainer.program import build_mesh, build_program
 
@@ -99,7 +98,7 @@ def final_state(workdir: str):
     config = validate(TrainConfig(workdir=workdir, mesh=helpers.MESHES["data=4,model=2"], batch_size=32,
                                   hidden_dim=512, num_layers=3), 8)
     program = build_program(config, build_mesh(config))
-    return checkpoints.open_service(config, program).restore(STEPS, program.abstract_state).state
+    return helpers.open_service(config, program).restore(STEPS, program.abstract_state).state
 
 
 @pytest.fixture(scope="module")

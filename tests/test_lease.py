@@ -16,7 +16,7 @@ from checkpointing.errors import StepAlreadyCommittedError, WorkdirLeasedError
 from checkpointing.workdir import committed_steps
 from tests import helpers
 from tests.lease_records import committed_files, contend, files, write_record
-from trainer import checkpoints, loop
+from trainer import loop
 from trainer.program import build_mesh, build_program
 
 pytestmark = pytest.mark.usefixtures("no_job_id")
@@ -96,8 +96,8 @@ def test_saving_a_step_another_writer_committed_raises_and_leaves_its_bytes(work
     program = build_program(config, build_mesh(config))
     state = program.init_fn()
     os.makedirs(workdir, exist_ok=True)
-    mine = checkpoints.open_service(config, program)  # lists the directory now: no steps yet
-    other = checkpoints.open_service(config, program)
+    mine = helpers.open_service(config, program)  # lists the directory now: no steps yet
+    other = helpers.open_service(config, program)
     other.save(5, state, losses={}, reason="interval")
     other.close()
     before = committed_files(workdir)

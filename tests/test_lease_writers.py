@@ -84,7 +84,7 @@ def test_the_verifier_and_inspect_neither_take_nor_change_the_lease(workdir):
     write_record(workdir, 2, host="writer-node")  # a live writer holds the workdir
     before = lease_files(workdir)
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
-    verify = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
+    verify = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert table.returncode == 0, table.stderr[-2000:]
     assert verify.returncode == 0, verify.stderr[-3000:]
     assert lease_files(workdir) == before

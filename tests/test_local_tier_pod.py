@@ -24,7 +24,7 @@ from checkpointing.workdir import committed_steps, read_manifest
 from runtime import exit_codes
 from tests import helpers
 from tests.test_pod import pod_command, trainer_pids
-from trainer import tolerances
+from trainer import models
 from trainer.loop import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -209,7 +209,7 @@ def test_another_layout_ignores_the_local_tier_and_resumes_within_tolerance(tmp_
     losses = run_losses(run.workdir)
     assert_bit_identical({s: losses[s] for s in range(PERSISTENT_EVERY)},
                          {s: reference[s] for s in range(PERSISTENT_EVERY)})
-    mismatch, largest = compare_losses(losses, reference, tolerances.loss_rtol("mlp", exact=False))
+    mismatch, largest = compare_losses(losses, reference, models.resolve("mlp").cross_mesh_loss_rtol)
     assert mismatch is None, f"{mismatch.detail}; largest relative difference {largest:g}"
 
 

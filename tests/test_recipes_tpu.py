@@ -165,9 +165,9 @@ def test_tpu_vm_script_puts_each_flag_in_its_command(fake_gcloud):
     [vm] = find(commands, "compute", "instances", "create")
     assert vm[4] == "ckpt-pod-verifier" and flag(vm, "machine-type") == "e2-standard-8"
     assert flag(vm, "scopes") == "cloud-platform"  # the verifier writes verdicts to the bucket
-    verify = next(c for c in find(commands, "compute", "ssh") if "trainer.verify" in flag(c, "command"))
+    verify = next(c for c in find(commands, "compute", "ssh") if "verifier.verify" in flag(c, "command"))
     words = remote(verify)
-    start = words.index("trainer.verify")
+    start = words.index("verifier.verify")
     assert words[start + 1:start + 4] == [f"--workdir={WORKDIR}", "--mesh=data=4", "--follow"]
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in words
 

@@ -15,7 +15,7 @@ from checkpointing import compare, verdicts
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
-from trainer import models, tolerances, train
+from trainer import models, train
 from trainer.config import ConfigError
 from trainer.program import build_mesh, build_program
 
@@ -42,8 +42,6 @@ def test_a_bad_model_is_one_line_naming_it(value, wrong):
 def test_built_in_names_and_a_user_model_resolve_to_their_specs():
     assert [models.resolve(name).name for name in models.BUILT_IN] == ["mlp", "transformer"]
     assert models.resolve(USER_MODEL).name == "tiny_classifier"
-    assert tolerances.loss_rtol(USER_MODEL, exact=False) == models.resolve(USER_MODEL).cross_mesh_loss_rtol
-    assert tolerances.loss_rtol(USER_MODEL, exact=True) == 0.0
 
 
 def test_the_specs_config_check_and_sharding_hint_are_used(workdir):
@@ -83,7 +81,7 @@ def test_a_user_model_trains_is_killed_resumes_and_verifies_on_another_mesh(tmp_
         result = helpers.run_module("trainer.train", f"--workdir={workdir}", *TRAIN_FLAGS, "--mesh=data=8")
         assert result.returncode == 0, result.stderr[-3000:]
         assert uninterrupted.wait(timeout=300) == 0, open(tmp_path / "reference.log").read()[-3000:]
-    result = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
+    result = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert result.returncode == 0, result.stderr[-3000:]
 
     steps = committed_steps(workdir)
@@ -94,11 +92,11 @@ def test_a_user_model_trains_is_killed_resumes_and_verifies_on_another_mesh(tmp_
 
     resumed, expected = recorded_losses(workdir), recorded_losses(reference)
     assert list(resumed) == list(expected) == list(range(STEPS))
-    mismatch, largest = compare.compare_losses(resumed, expected, tolerances.loss_rtol(USER_MODEL, exact=False))
+    mismatch, largest = compare.compare_losses(resumed, expected, models.resolve(USER_MODEL).cross_mesh_loss_rtol)
     assert mismatch is None, mismatch.detail
     # Up to the resume the same layout recorded both lists: bit for bit.
     before = {step: expected[step] for step in range(resumed_from)}
-    assert compare.compare_losses(resumed, before, tolerances.loss_rtol(USER_MODEL, exact=True))[0] is None
+    assert compare.compare_losses(resumed, before, 0.0)[0] is None
     assert expected[STEPS - 1] < expected[0] / 2, "the loss must fall"
 
 

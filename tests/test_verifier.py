@@ -16,7 +16,7 @@ from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)
 from trainer import loop
-from trainer.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
+from verifier.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def snapshot(workdir):
 
 
 def test_follow_verifier_on_another_mesh_proves_every_step_while_training_runs(workdir, tmp_path):
-    with helpers.started_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",
+    with helpers.started_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",
                                 "--poll_secs=0.2", "--max_poll_secs=1", device_count=2,
                                 log_path=str(tmp_path / "verifier.log")) as verifier:
         train_subprocess(workdir, 40)
@@ -159,17 +159,17 @@ def test_a_step_without_its_commit_marker_is_never_verified_or_touched(workdir, 
 
 def test_verify_once_exit_codes(workdir, trained):
     config = trained
-    ok = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
+    ok = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert ok.returncode == 0, ok.stderr[-3000:]
     rewrite_step(config, 30, flip_one_bit, keep_saved_fingerprints=True)
     os.remove(workdir_lib.verdict_file(workdir, 30))
-    failed = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
+    failed = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
     assert failed.returncode == 1
     assert "failing verdicts for steps [30]" in failed.stderr
     before = helpers.disk_state(workdir)
-    bad = helpers.run_module("trainer.verify", f"--workdir={workdir}", "--mesh=data=3", "--once", device_count=2)
+    bad = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=3", "--once", device_count=2)
     helpers.assert_refused(bad, before, "error: --mesh=data=3")
-    neither = helpers.run_module("trainer.verify", f"--workdir={workdir}", device_count=2)
+    neither = helpers.run_module("verifier.verify", f"--workdir={workdir}", device_count=2)
     helpers.assert_refused(neither, before, "exactly one of --follow and --once")
 
 

@@ -13,7 +13,7 @@ from tests.tamper import (KERNEL, MU_KERNEL, RUN, RUN_40, change_step_counter, e
                           nan_in_one_leaf, perturb_params, rewrite_step, swap_adam_moments, swap_same_shaped_leaves,
                           truncate_data_files, verify_in_process, zero_adam_moments)
 from trainer import loop
-from trainer.verifier import Verifier, VerifierOptions
+from verifier.verifier import Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
 
@@ -121,7 +121,7 @@ def test_a_nan_recorded_loss_is_corrupt(workdir, trained):
 
 def test_a_step_deleted_while_being_verified_gets_a_gone_verdict(workdir, trained, monkeypatch):
     """Retention deletes step 20 after the verifier listed it and read its manifest, before the arrays."""
-    from trainer import verifier as verifier_lib
+    from verifier import proofs as verifier_lib  # the per-step proofs read each manifest
 
     def read_then_retention_deletes(directory, step):
         manifest = read_manifest(directory, step)

@@ -6,22 +6,15 @@ import os
 import time
 
 import jax
-import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
-from checkpointing import lease as lease_lib
-from checkpointing import workdir as workdir_lib
-from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedError, one_line_cause
-from checkpointing.config import format_mesh
-from runtime.preemption import PreemptionWatch
+from checkpointing import Checkpointer, format_mesh, metrics_file, one_line_cause
+from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
-from trainer import checkpoints, compile_cache, metrics
-from trainer import saver as saver_lib
-from trainer.config import TrainConfig
+from trainer import compile_cache, metrics
+from trainer.config import FIXED_FIELDS, TrainConfig
 from trainer.metrics import RunMetrics
-from trainer.program import Program, build_mesh, build_program
-
+from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program
 
 
 @dataclasses.dataclass
@@ -31,25 +24,13 @@ class TrainResult:
     steps_per_sec: float
 
 
-def blocks_each_step(program: Program) -> bool:
-    """Whether the loop must wait for each step before dispatching the next.
-
-    XLA's CPU runtime runs every (fake) device of a process on a pool with one thread per
-    device, and its in-process collectives need all of a step's device tasks running at once.
-    With a second step's tasks queued behind a blocked one the pool can deadlock (seen about
-    once in a few hundred 8-device steps on 2 cores). On CPU the wait costs nothing measurable;
-    on TPU and GPU the loop stays fully asynchronous.
-    """
-    return jax.default_backend() == "cpu" and program.mesh.size > 1
-
-
 class LossLog:
     """Per-step losses kept on device until the log cadence, then pulled in one transfer."""
 
     def __init__(self, workdir: str):
         self._pending: list[tuple[int, jax.Array]] = []
         self.losses: dict[int, float] = {}
-        self._metrics_path = workdir_lib.metrics_file(workdir) if jax.process_index() == 0 else None
+        self._metrics_path = metrics_file(workdir) if jax.process_index() == 0 else None
         self.metrics = RunMetrics(workdir) if jax.process_index() == 0 else None  # TensorBoard + progress
 
     def add(self, step: int, loss: jax.Array) -> None:
@@ -87,24 +68,24 @@ class LossLog:
 def read_metrics(workdir: str) -> dict[int, float]:
     """The metrics file as {step: loss}; a step logged twice (after a resume) keeps its last value."""
     losses = {}
-    with open(workdir_lib.metrics_file(workdir)) as f:
+    with open(metrics_file(workdir)) as f:
         for line in f:
             record = json.loads(line)
             losses[record["step"]] = record["loss"]
     return losses
 
 
-def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog,
-              on_step=None):
-    """Runs steps [start_step, end_step); `on_step(step, state)` runs after each (for saves).
+def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog, on_step=None):
+    """Runs steps [start_step, end_step); `on_step(steps_done, state, loss)` runs after each (a
+    Checkpointer's on_step) and returns a SaveEvent, or None when it did nothing worth reporting.
 
-    At the log cadence process 0 logs one progress line and writes its TensorBoard scalars; the
-    time spent in `on_step` when it saved (its `last_saved_step` moved) is the save's blocking time.
+    At the log cadence process 0 logs one progress line and writes its TensorBoard scalars, with the
+    blocking time of the saves the events reported.
     """
     config = program.config
-    sync_each_step = blocks_each_step(program)
+    sync_each_step = blocks_each_step(program.mesh)
     tick, tick_step = time.perf_counter(), start_step
-    hook_secs, save_blocking = 0.0, []
+    hook_secs, save_blocking, commit_secs = 0.0, [], []
     try:
         for step in range(start_step, end_step):
             # The step number is the one value the host sends each step; any other transfer is an
@@ -130,15 +111,16 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                     loss_log.metrics.report(step=done, total=config.steps, losses=fresh,
                                             steps_per_sec=(done - tick_step) / max(now - tick, 1e-9),
                                             step_secs=max(now - tick - hook_secs, 0.0),
-                                            save_blocking_secs=save_blocking,
-                                            commit_secs=getattr(on_step, "commit_secs", []))
+                                            save_blocking_secs=save_blocking, commit_secs=commit_secs)
                 tick, tick_step, hook_secs, save_blocking = now, done, 0.0, []
             if on_step is not None:
-                saved_before, hook_start = getattr(on_step, "last_saved_step", None), time.perf_counter()
-                state = on_step(done, state, loss_log)
+                hook_start = time.perf_counter()
+                event = on_step(done, state, loss)
                 hook_secs += time.perf_counter() - hook_start
-                if getattr(on_step, "last_saved_step", None) != saved_before:
-                    save_blocking.append(time.perf_counter() - hook_start)
+                if event is not None:
+                    commit_secs = list(event.commit_secs)
+                    if event.saved:
+                        save_blocking.append(event.blocking_secs)
     finally:
         if loss_log.metrics is not None:
             loss_log.metrics.close()
@@ -166,53 +148,11 @@ def compile_program(program: Program, *, fresh: bool) -> None:
         program.init_fn.lower().compile()
 
 
-def replay_losses(program: Program, state, start_step: int, num_steps: int):
-    """Runs `num_steps` steps from `state` (at `start_step`); returns (state, {step: loss})."""
-    losses = []
-    for step in range(start_step, start_step + num_steps):
-        state, loss = program.step_fn(state, program.batch_fn(step))
-        losses.append(loss)
-        if blocks_each_step(program):
-            loss.block_until_ready()
-    values = jax.device_get(losses)
-    return state, {start_step + i: float(v) for i, v in enumerate(values)}
-
-
-def _acquire_pod_lease(config: TrainConfig) -> lease_lib.Lease | None:
-    """Process 0 takes the workdir's lease for the whole pod; every process raises if it cannot."""
-    lease, error = None, None
-    if jax.process_index() == 0:
-        try:
-            lease = lease_lib.acquire(config.workdir, config.checkpoint.lease_secs)
-        except Exception as err:  # the other processes must not wait in the broadcast forever
-            error = err
-    outcome = 0 if error is None else 2 if isinstance(error, WorkdirLeasedError) else 1
-    if jax.process_count() > 1:
-        outcome = int(multihost_utils.broadcast_one_to_all(np.int32(outcome)))
-    if outcome and error is None:
-        error = (WorkdirLeasedError if outcome == 2 else CheckpointError)(
-            f"process 0 could not take the lease on {config.workdir} (its log names the holder)")
-    if error is not None:
-        raise error
-    return lease
-
-
-def _lease_check(lease: lease_lib.Lease | None):
-    """The service's check before each save: every process stops once process 0's lease is lost."""
-
-    def check(step: int) -> None:
-        lost = None
-        if lease is not None:
-            try:
-                lease.check()
-            except LeaseLostError as err:
-                lost = str(err)
-        if jax.process_count() > 1 and int(multihost_utils.broadcast_one_to_all(np.int32(lost is not None))):
-            lost = lost or "process 0 lost the workdir lease (its log names the new holder)"
-        if lost is not None:
-            raise LeaseLostError(f"step {step} not saved: {lost}")
-
-    return check
+def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog) -> Checkpointer:
+    """This run's Checkpointer: its identity is the config (FIXED_FIELDS may not change on a resume),
+    and the verifier replays it with trainer.program:replay_program."""
+    return Checkpointer(config.workdir, config.checkpoint, config=config.to_json(), fixed=FIXED_FIELDS, mesh=mesh,
+                        total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog)
 
 
 def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -> TrainResult:
@@ -221,73 +161,43 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -
     `startup_phases` are the entry point's own phases (process start, distributed start-up), logged
     with the loop's (compile, restore, first step) as `phase <name> <secs>s` lines.
 
-    The workdir's lease is taken after the read-only resume checks and before anything is written
-    (a refused trainer leaves the workdir as it was), and released on every exit Python sees.
+    Opening the Checkpointer checks the resume request (read only) and takes the workdir's lease before
+    anything is written (a refused trainer leaves the workdir as it was); it is released on every exit.
     """
-    candidates = checkpoints.resume_candidates(config)
-    lease = _acquire_pod_lease(config)
-    # Logged once the run is admitted: a refused run prints its one error line and nothing else.
-    for name, secs in (startup_phases or {}).items():
-        log_phase(name, secs)
-    try:
-        return _train_holding_lease(config, candidates, lease)
-    finally:
-        if lease is not None:
-            lease.release()
-
-
-def _train_holding_lease(config: TrainConfig, candidates: list[int], lease: lease_lib.Lease | None) -> TrainResult:
     mesh = build_mesh(config)
+    watchdog = Watchdog(config.watchdog_secs)
+    try:
+        with open_checkpointer(config, mesh, watchdog) as checkpointer:
+            # Logged once the run is admitted: a refused run prints its one error line and nothing else.
+            for name, secs in (startup_phases or {}).items():
+                log_phase(name, secs)
+            return _train(config, mesh, checkpointer, watchdog)
+    finally:
+        watchdog.stop()
+
+
+def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watchdog) -> TrainResult:
     program = build_program(config, mesh)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
     begin = time.perf_counter()
-    compile_program(program, fresh=not candidates)
+    compile_program(program, fresh=not checkpointer.resume_candidates)
     log_phase("compile", time.perf_counter() - begin)
-    preemption = PreemptionWatch()
-    watchdog = Watchdog(config.watchdog_secs)
-    service = local = None
-    try:
-        writer_check = _lease_check(lease)  # the lease covers both tiers
-        service = checkpoints.open_service(config, program, preemption_decision=preemption.decided,
-                                           writer_check=writer_check)
-        local = checkpoints.open_local_service(config, program, preemption_decision=preemption.decided,
-                                               writer_check=writer_check)
-        begin = time.perf_counter()
-        with watchdog.bounded("restoring", config.watchdog_secs):
-            start_step, state, tier = checkpoints.restore_or_init(program, service, candidates, local)
-        jax.block_until_ready(state)
-        log_phase("restore", time.perf_counter() - begin)
-        saver = saver_lib.make_saver(config, service, local, start_step=start_step, resumed_tier=tier,
-                                     preemption=preemption, watchdog=watchdog)
-        loss_log = LossLog(config.workdir)
-        start = time.perf_counter()
-        watchdog.pet(f"step {start_step + 1} (compiles the step)")
-        state = run_steps(program, state, start_step, config.steps, loss_log, on_step=saver)
-        with watchdog.bounded("committing the final checkpoint", config.watchdog_secs):
-            jax.block_until_ready(state)
-            service.close()  # waits for the last save to commit (or raises AsyncSaveError)
-            if local is not None:
-                saver.close_local()
-    except BaseException:
-        # A save still writing once the lease is released could race the next writer.
-        for tier_service in (service, local):
-            if tier_service is None:
-                continue
-            with watchdog.bounded("ending the in-flight save", config.watchdog_secs):
-                try:
-                    tier_service.wait_until_finished()
-                except CheckpointError:
-                    pass  # the error being raised already says what failed
-        raise
-    finally:
-        watchdog.stop()
-        preemption.close()
-    elapsed = time.perf_counter() - start
-    ran = max(config.steps - start_step, 0)
+    begin = time.perf_counter()
+    start = checkpointer.restore_or_init(program.abstract_state, program.init_fn)
+    state = jax.block_until_ready(start.state)
+    log_phase("restore", time.perf_counter() - begin)
+    loss_log = LossLog(config.workdir)
+    began = time.perf_counter()
+    watchdog.pet(f"step {start.step + 1} (compiles the step)")
+    state = run_steps(program, state, start.step, config.steps, loss_log, on_step=checkpointer.on_step)
+    jax.block_until_ready(state)
+    checkpointer.close()  # waits for the last save to commit (or raises AsyncSaveError)
+    elapsed = time.perf_counter() - began
+    ran = max(config.steps - start.step, 0)
     result = TrainResult(losses=loss_log.losses, state=state, steps_per_sec=ran / max(elapsed, 1e-9))
     if jax.process_index() == 0 and ran:
-        logging.info("done: steps %d..%d, final loss %.6f, %.2f steps/s", start_step, config.steps,
+        logging.info("done: steps %d..%d, final loss %.6f, %.2f steps/s", start.step, config.steps,
                      result.losses[config.steps - 1], result.steps_per_sec)
     return result

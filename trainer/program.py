@@ -3,6 +3,8 @@
 One owner for the compiled pieces: the init, the donated step and the batch function, with
 the state shardings they agree on and the abstract state a restore targets. The model comes
 from its spec (trainer.models.resolve(config.model)); nothing here knows which one it is.
+A Program is the replay program the verifier needs (verifier/program.py's protocol), and
+`replay_program` is how the verifier builds one from a manifest's config on its own mesh.
 """
 
 import dataclasses
@@ -13,7 +15,9 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trainer import data, models, state as state_lib, step as step_lib
-from trainer.config import MESH_AXES, TrainConfig
+from trainer.config import MESH_AXES, TrainConfig, validate
+
+REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
 
 
 def build_mesh(config: TrainConfig, devices=None) -> Mesh:
@@ -34,6 +38,8 @@ class Program:
     init_fn: Callable[[], state_lib.TrainState]
     step_fn: Callable[[state_lib.TrainState, Any], tuple[state_lib.TrainState, jax.Array]]
     batch_fn: Callable[[int], Any]
+    loss_rtol: float  # the model's measured cross-layout tolerances (its spec's)
+    state_rtol: float
 
 
 def build_program(config: TrainConfig, mesh: Mesh) -> Program:
@@ -63,4 +69,14 @@ def build_program(config: TrainConfig, mesh: Mesh) -> Program:
         init_fn=jax.jit(init, out_shardings=shardings),
         step_fn=step_fn,
         batch_fn=data.make_batch_fn(spec, config, mesh),
+        loss_rtol=spec.cross_mesh_loss_rtol,
+        state_rtol=spec.cross_mesh_state_rtol,
     )
+
+
+def replay_program(config: dict, mesh: Mesh) -> Program:
+    """The program of a run whose manifest recorded `config` (TrainConfig.to_json), on `mesh`: the
+    verifier's. ConfigError names a field the recorded config cannot hold."""
+    recorded = TrainConfig.from_json({**config, "mesh": dict(mesh.shape)})
+    recorded = validate(recorded.replace(resume_from="latest", init_from=""), mesh.devices.size, check_workdir=False)
+    return build_program(recorded, mesh)

@@ -21,7 +21,7 @@ YAML library is needed) after a few `#` comment lines:
   against --max_restarts. Any other exit (1 failure, 2 bad input, a kill) is restarted at most
   --max_restarts times, then the JobSet fails: a bad flag fails fast on every attempt.
 
-  Job (batch/v1): the verifier, `trainer.verify --follow` on --verifier_mesh fake CPU devices,
+  Job (batch/v1): the verifier, `verifier.verify --follow` on --verifier_mesh fake CPU devices,
   outside the JobSet so JobSet restarts leave it running; it exits once the run's final
   checkpoint is verified (0 all passed, 1 a verdict failed). Exit 2 fails it at once; a
   disruption is retried without counting; anything else up to --verifier_backoff_limit times.
@@ -206,7 +206,7 @@ def manifests_from_flags(trainer_args: list[str]) -> list[dict]:
 _DOCUMENT_COMMENTS = {
     "JobSet": "exit 75 and disruptions restart the whole set without counting; other failures count "
               "against maxRestarts",
-    "Job": "the verifier, trainer.verify --follow, outside the JobSet so its restarts leave it running",
+    "Job": "the verifier, verifier.verify --follow, outside the JobSet so its restarts leave it running",
 }
 
 

@@ -21,7 +21,7 @@
 #
 # The run:
 #  1. creates the verifier VM if missing, installs the image or package there and starts
-#     `trainer.verify --follow` on it in the background;
+#     `verifier.verify --follow` on it in the background;
 #  2. makes sure the TPU is up: created when missing, deleted and created again when preempted
 #     (Spot and preemptible TPUs cannot be restarted);
 #  3. installs the image or package on every worker (`tpu-vm ssh --worker=all`);
@@ -133,7 +133,7 @@ else
   vm_install="$pip_install $(quote "$INSTALL")"
   trainer="$pod_env && exec $venv/bin/python -m trainer.train $trainer_flags"
   # The pid file lets stop() end exactly this process with SIGTERM (exec keeps the shell's pid).
-  verifier="echo \$\$ > $pidfile && ${verifier_env[*]} exec $venv/bin/python -m trainer.verify $verifier_flags"
+  verifier="echo \$\$ > $pidfile && ${verifier_env[*]} exec $venv/bin/python -m verifier.verify $verifier_flags"
   verifier_stop="kill -TERM \$(cat $pidfile)"
 fi
 

@@ -54,7 +54,7 @@ class ModelSpec:
     init_inputs: Callable[[dict], Any]  # batch -> what module.init is traced with (zeros of its shape).
     # Largest relative difference per step between two loss lists of the same run on two meshes.
     cross_mesh_loss_rtol: float
-    # Per leaf: ||replayed - saved|| <= rtol * max(||replayed||, movement) (trainer/tolerances.py).
+    # Per leaf: ||replayed - saved|| <= rtol * max(||replayed||, movement) (verifier/tolerances.py).
     cross_mesh_state_rtol: float
     check_config: Callable[[TrainConfig], None] = accept_any_config  # raises ConfigError naming the flag.
     partition: Callable[[tuple[int, ...], int], P] = default_partition  # (shape, model size) -> layout.

@@ -43,6 +43,6 @@ SPEC = ModelSpec(
     # (tests/test_trainer.py prints the spread): 1.4e-6. The bound keeps a ~10x margin.
     cross_mesh_loss_rtol=1e-5,
     # Measured over 10 and 50 replayed steps on data=8, model=8 and data=2/model=4 against
-    # data=4/model=2: every leaf within 3e-7 of its scale (trainer/tolerances.py).
+    # data=4/model=2: every leaf within 3e-7 of its scale (verifier/tolerances.py).
     cross_mesh_state_rtol=1e-5,
 )

@@ -84,7 +84,7 @@ SPEC = ModelSpec(
     # data=4/model=2: every leaf within 2.4e-6 of its scale, except the leaves driven by rounding
     # noise (an attention key bias has an exactly-zero gradient: softmax ignores a per-query
     # constant; Adam scales the noise into updates of its own size), which differ by up to 1.6x
-    # their movement and are bounded by it separately (trainer/tolerances.py).
+    # their movement and are bounded by it separately (verifier/tolerances.py).
     cross_mesh_state_rtol=1e-4,
     check_config=check_config,
 )

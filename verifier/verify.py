@@ -1,7 +1,7 @@
-"""Entry point: python -m trainer.verify --workdir=DIR --mesh=data=2 (--follow | --once)
+"""Entry point: python -m verifier.verify --workdir=DIR --mesh=data=2 (--follow | --once)
 
 A separate process with its own devices and mesh. It reads the trainer's checkpoints (never
-changes them), proves each committed step (see trainer/verifier.py) and writes a verdict per step.
+changes them), proves each committed step (verifier/proofs.py) and writes a verdict per step.
 --once verifies what is pending and exits: 0 if every committed step's verdict passed, 1 if any
 failed, 2 for bad input. --follow keeps polling (with backoff) until --until_step, or the run's
 final checkpoint, is verified, or until SIGTERM; same exit codes.
@@ -19,7 +19,7 @@ from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
 from checkpointing.config import ConfigError
 from trainer.config import check_mesh, parse_mesh
-from trainer.verifier import Verifier, VerifierOptions
+from verifier.verifier import Verifier, VerifierOptions
 
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
 # (--steps, --batch_size, ...) given here is an unknown flag, exit 2, never silently ignored.

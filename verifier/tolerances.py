@@ -1,23 +1,22 @@
-"""How closely a replay must reproduce a checkpoint: bit-exact on the layout that recorded it,
-within documented per-leaf tolerances on any other. One owner for that rule.
+"""How closely a replay must reproduce a checkpoint: bit-exact on the layout that recorded it, within
+documented per-leaf tolerances on any other. One owner for that rule.
 
-The numbers are the model's own (its spec's cross_mesh_loss_rtol and cross_mesh_state_rtol,
-trainer/models). Per leaf, across layouts, ||replayed - saved|| may be at most that state rtol times the
-larger of ||replayed|| and how far the leaf moved during the replay (rounding accumulates with the
-updates summed, and a moment that crossed zero is small but carries the error of its path). The
-replayed side is the trusted one: it came from a proved predecessor. A leaf whose gradient
-is pure rounding noise (its Adam first moment is below NOISE_RATIO of the largest one, e.g. an
-attention key bias) moves by noise Adam has scaled up, so on another layout it may also differ by
-NOISE_FACTOR times how far it moved during the replay. Integer leaves (the step, Adam's count)
-must be equal. Swapped or zeroed Adam moments change the signal leaves by far more than 1e-4
-and fail on any layout.
+The numbers are the program's own (verifier/program.py: loss_rtol and state_rtol; for the trainer,
+its model spec's cross_mesh_loss_rtol and cross_mesh_state_rtol, trainer/models). Per leaf, across
+layouts, ||replayed - saved|| may be at most that state rtol times the larger of ||replayed|| and
+how far the leaf moved during the replay (rounding accumulates with the updates summed, and a moment
+that crossed zero is small but carries the error of its path). The replayed side is the trusted one:
+it came from a proved predecessor. A leaf whose gradient is pure rounding noise (its Adam first
+moment is below NOISE_RATIO of the largest one, e.g. an attention key bias) moves by noise Adam has
+scaled up, so on another layout it may also differ by NOISE_FACTOR times how far it moved during the
+replay. Integer leaves (the step, Adam's count) must be equal. Swapped or zeroed Adam moments change
+the signal leaves by far more than 1e-4 and fail on any layout.
 """
 
 import math
 import re
 
 from checkpointing.compare import leaf_differences
-from trainer import models
 
 NOISE_RATIO = 1e-5  # RMS of a leaf's Adam mu below this fraction of the largest: noise-driven
 NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device meshes
@@ -33,13 +32,13 @@ def same_layout(mesh_shape: dict, process_count: int, manifest: dict) -> bool:
     return dict(mesh_shape) == manifest["mesh"] and process_count == manifest["process_count"]
 
 
-def loss_rtol(model: str, exact: bool) -> float:
-    """The relative tolerance of a loss-list comparison for `model` (a --model value): 0 (bit-exact)
-    when the numbers were recorded on the same layout, the model's measured bound otherwise."""
-    return 0.0 if exact else models.resolve(model).cross_mesh_loss_rtol
+def loss_rtol(program, exact: bool) -> float:
+    """The relative tolerance of a loss-list comparison: 0 (bit-exact) when the numbers were recorded
+    on the same layout, the program's measured bound otherwise."""
+    return 0.0 if exact else program.loss_rtol
 
 
-def state_tolerances(replayed, anchor, model: str, leaves: dict[str, dict]) -> dict[str, float]:
+def state_tolerances(replayed, anchor, rtol: float, leaves: dict[str, dict]) -> dict[str, float]:
     """{key path: largest ||replayed - saved|| allowed} for a replay from `anchor` on another layout.
 
     `leaves` is the manifest's leaf table (shape and dtype per key path); integer leaves get 0.
@@ -49,7 +48,6 @@ def state_tolerances(replayed, anchor, model: str, leaves: dict[str, dict]) -> d
            for path, (_, norm, _) in movement.items() if (m := _FIRST_MOMENT.match(path))}
     largest = max(rms.values(), default=0.0)
     noise = {suffix for suffix, value in rms.items() if value <= NOISE_RATIO * largest}
-    rtol = models.resolve(model).cross_mesh_state_rtol
     tolerances = {}
     for path, (moved, norm, _) in movement.items():
         if not leaves[path]["dtype"].startswith(("float", "bfloat", "complex")):

@@ -1,0 +1,233 @@
+"""`Checkpointer`: the one public entry to the checkpoint service, for our trainer and a user's loop alike.
+
+    with Checkpointer(workdir, options, config=config, fixed=FIXED, mesh=mesh, total_steps=N) as ckpt:
+        start = ckpt.restore_or_init(abstract_state, init_fn)       # precedence: options.resume_from
+        state = start.state
+        for step in range(start.step, N):
+            state, loss = train_step(state, batch(step))
+            ckpt.on_step(step + 1, state, loss)                       # -> SaveEvent; Preempted (exit 75)
+
+Opening checks the request against the workdir (read only: a refused run changes nothing), then
+takes the workdir's lease for the whole pod, opens the persistent tier and, with a local_dir, this
+host's local tier. `on_step` takes the preemption decision once per step, asks the save schedule
+(steps, seconds, `auto`, the local tier, the preemption deadline) and saves. `close` waits for the
+last commit and releases the lease; leaving the block by an exception aborts instead (waits for the
+save in flight, so it cannot race the next writer, and releases the lease). docs/api.md has every name.
+"""
+
+import dataclasses
+from typing import Callable, Iterable
+
+from checkpointing import lease as lease_lib
+from checkpointing import restore as restore_lib
+from checkpointing import verdicts
+from checkpointing import workdir as workdir_lib
+from checkpointing.config import CheckpointConfig
+from checkpointing.errors import (BadCheckpointRequest, CheckpointError, LeaseLostError, NoSuchCheckpointError,
+                                  WorkdirLeasedError)
+from checkpointing.saver import SaveEvent, Saver
+from checkpointing.schedule import SaveSchedule
+from checkpointing.service import CheckpointService, RunMetadata
+from runtime import collective
+from runtime.preemption import PreemptionWatch
+from runtime.watchdog import Watchdog
+
+
+class Checkpointer:
+    """Saves, restores and protects one run's state tree (see the module docstring).
+
+    Args:
+      workdir: the run's directory, a local path or gs://.
+      options: the checkpoint config (cadence, retention, resume precedence, tiers, lease).
+      config: the run's whole config as JSON; every manifest records it.
+      fixed: names of `config` fields a resume must not change (they shape the state or its numbers).
+      mesh: the jax.sharding.Mesh the state lives on (recorded; a restore takes its shardings from the
+        abstract target).
+      total_steps: the run's last step; a save there is "final", and no preemption save is made there.
+      program: "package.module:factory" that builds the run's replay program for the verifier
+        (checkpointing/replay.py); None for a run the verifier should not replay.
+      watchdog: bounds every wait (a dead peer, a stuck commit); by default one of `watchdog_secs`.
+    """
+
+    def __init__(self, workdir: str, options: CheckpointConfig, *, config: dict, fixed: Iterable[str], mesh,
+                 total_steps: int, program: str | None = None, watchdog: Watchdog | None = None,
+                 watchdog_secs: float = 600.0):
+        self.options = options.validated()
+        self.workdir = str(workdir)
+        self.total_steps = total_steps
+        run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program)
+        self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run)  # refusals change nothing
+        self.run = dataclasses.replace(run, init_from=self._init_from())
+        self._lease = _acquire_pod_lease(self.workdir, self.options.lease_secs)
+        self._owns_watchdog = watchdog is None
+        self.watchdog = watchdog or Watchdog(watchdog_secs)
+        self.preemption = PreemptionWatch()
+        self._saver: Saver | None = None
+        self._closed = False
+        self.local: CheckpointService | None = None
+        try:
+            check = _lease_check(self._lease)  # the lease covers both tiers
+            self.service = CheckpointService(self.workdir, self.options, run=self.run, protected_steps=self._protected,
+                                             preemption_decision=self.preemption.decided, writer_check=check)
+            if self.options.local_dir:
+                directory = workdir_lib.expand_local_dir(self.options.local_dir, _process_index())
+                local = dataclasses.replace(self.options, max_to_keep=self.options.local_max_to_keep,
+                                            keep_every_steps=0)
+                self.local = CheckpointService(directory, local, run=self.run, tier="local",
+                                               preemption_decision=self.preemption.decided, writer_check=check)
+        except BaseException:
+            self._release()
+            raise
+
+    @property
+    def resume_candidates(self) -> list[int]:
+        """The committed steps a restore will try, newest first ([]: a fresh start)."""
+        return list(self._candidates)
+
+    # --- restoring -----------------------------------------------------------------------------
+
+    def restore_or_init(self, abstract_state, init_fn: Callable[[], object]) -> restore_lib.RestoreResult:
+        """The state to start from, per options.resume_from (checkpointing/restore.py): restored onto the
+        shardings of `abstract_state` (ShapeDtypeStructs, e.g. jax.eval_shape of the init with the current
+        mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn()."""
+        with self.watchdog.bounded("restoring", self.watchdog.timeout_secs):
+            start = restore_lib.restore_or_init(self.options, self.service, self.local, self._candidates,
+                                                abstract_state, init_fn, self.run.init_from)
+        carried = {}
+        if start.tier == "local":  # every process read its own copy: the same losses everywhere
+            carried = {int(s): v for s, v in start.manifest["losses"].items()}
+        self._saver = Saver(self.service, SaveSchedule(self.options, resumed_step=start.step,
+                                                       resumed_manifest=start.manifest, resumed_tier=start.tier),
+                            start_step=start.step, end_step=self.total_steps, preemption=self.preemption,
+                            watchdog=self.watchdog, local=self.local, carried_losses=carried)
+        return start
+
+    # --- saving --------------------------------------------------------------------------------
+
+    def on_step(self, step: int, state, loss=None) -> SaveEvent:
+        """Call after every step, on every process: `step` is the state's step counter (steps done) and
+        `loss` the loss of step `step - 1` (a device scalar is fine: it is read only when a save records
+        it). Saves when the schedule says; on a preemption saves, waits for the commit and raises
+        Preempted (a SystemExit with code 75). Raises AsyncSaveError if the previous background save
+        failed (the step it wrote is not committed; the one before stays the latest)."""
+        if self._saver is None:
+            raise RuntimeError("Checkpointer.on_step before restore_or_init")
+        return self._saver.on_step(step, state, loss)
+
+    # --- closing -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the last save to commit (AsyncSaveError if it failed) and releases the lease."""
+        if self._closed:
+            return
+        try:
+            with self.watchdog.bounded("committing the final checkpoint", self.watchdog.timeout_secs):
+                if self._saver is not None:
+                    self._saver.close()
+                else:
+                    self.service.close()
+        except BaseException:
+            self.abort()
+            raise
+        self._release()
+
+    def abort(self) -> None:
+        """After a failure: waits (bounded) for a save still writing, so it cannot race the next writer,
+        then releases the lease. Never raises over the error being handled."""
+        if self._closed:
+            return
+        for tier in (self.service, self.local):
+            if tier is None:
+                continue
+            with self.watchdog.bounded("ending the in-flight save", self.watchdog.timeout_secs):
+                try:
+                    tier.wait_until_finished()
+                except CheckpointError:
+                    pass  # the error being raised already says what failed
+        self._release()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _release(self) -> None:
+        self._closed = True
+        self.preemption.close()
+        if self._owns_watchdog:
+            self.watchdog.stop()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def _protected(self) -> list[int]:
+        """Retention never deletes the newest step the verifier reproduced: the next proof starts there."""
+        newest = verdicts.newest_reproduced_step(self.workdir, workdir_lib.committed_steps(self.workdir))
+        return [] if newest is None else [newest]
+
+    def _init_from(self) -> dict | None:
+        """The other run's step this run starts from: options.init_from resolved, or (once this run has
+        steps) what its newest manifest recorded; a relaunch naming another source is refused."""
+        committed = workdir_lib.committed_steps(self.workdir)
+        recorded = workdir_lib.read_manifest(self.workdir, committed[-1]).get("init_from") if committed else None
+        if not self.options.init_from:
+            return recorded
+        source, _, step_text = self.options.init_from.rpartition(":")
+        if not (source and step_text.isdigit()):
+            source, step_text = self.options.init_from, ""
+        if committed:
+            if recorded is None or recorded["workdir"] != source or step_text and int(step_text) != recorded["step"]:
+                raise BadCheckpointRequest(f"--init_from={self.options.init_from}: {self.workdir} already holds steps "
+                                           f"{committed} started from {recorded or 'the seed'}")
+            return recorded
+        steps = workdir_lib.committed_steps(source)
+        step = int(step_text) if step_text else (steps[-1] if steps else None)
+        if step is None or step not in steps:
+            raise NoSuchCheckpointError(f"--init_from={self.options.init_from}: not a committed step of {source} "
+                                        f"(committed: {steps or 'none'})")
+        return {"workdir": source, "step": step, "digest": workdir_lib.read_manifest(source, step)["digest"]}
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _acquire_pod_lease(workdir: str, lease_secs: float) -> lease_lib.Lease | None:
+    """Process 0 takes the workdir's lease for the whole pod; every process raises if it cannot."""
+    lease, error = None, None
+    if collective.is_primary():
+        try:
+            lease = lease_lib.acquire(workdir, lease_secs)
+        except Exception as err:  # the other processes must not wait in the broadcast forever
+            error = err
+    outcome = collective.broadcast_int(0 if error is None else 2 if isinstance(error, WorkdirLeasedError) else 1)
+    if outcome and error is None:
+        error = (WorkdirLeasedError if outcome == 2 else CheckpointError)(
+            f"process 0 could not take the lease on {workdir} (its log names the holder)")
+    if error is not None:
+        raise error
+    return lease
+
+
+def _lease_check(lease: lease_lib.Lease | None):
+    """The service's check before each save: every process stops once process 0's lease is lost."""
+
+    def check(step: int) -> None:
+        lost = None
+        if lease is not None:
+            try:
+                lease.check()
+            except LeaseLostError as err:
+                lost = str(err)
+        if collective.decided_by_primary(lambda: lost is not None):
+            lost = lost or "process 0 lost the workdir lease (its log names the new holder)"
+        if lost is not None:
+            raise LeaseLostError(f"step {step} not saved: {lost}")
+
+    return check

@@ -1,0 +1,199 @@
+"""What a start-up restores, and from which tier (the restore precedence, MaxText's rule made strict):
+
+  resume_from=latest           this workdir's newest committed step; if it cannot be read back
+                               (corrupt), the next newest, with an error log line; nothing: fresh.
+  resume_from=latest_verified  the newest step the verifier *reproduced* (proved from the seed's chain
+                               of trust, its verdict naming this save's manifest digest); same fallback;
+                               refuses a workdir that has checkpoints but no reproduced step.
+  resume_from=STEP             exactly that step, or exit 2.
+  resume_from=none             fresh, and refuses a workdir that already has checkpoints.
+With a local tier and resume_from=latest, the newest step complete in EVERY host's local tier comes
+first when it is at least the newest persistent step; a local step written by another layout (mesh,
+process count) is skipped with one log line, a damaged one with an error line. A local step is never
+"verified": latest_verified, STEP and none read the persistent tier only.
+Committed steps newer than the one resumed (unverified, failed or corrupt) are never deleted: they
+are moved to superseded/ (the workdir's, or each host's local one) so the resumed run can save its
+own steps under those numbers. A fresh start with init_from takes its params from another run's step.
+"""
+
+import dataclasses
+from typing import Callable
+
+from absl import logging
+
+from checkpointing import local_tier, verdicts
+from checkpointing import manifest as manifest_lib
+from checkpointing import partial
+from checkpointing import workdir as workdir_lib
+from checkpointing.checks import check_config_matches
+from checkpointing.config import CheckpointConfig
+from checkpointing.errors import (BadCheckpointRequest, CheckpointError, CorruptCheckpointError,
+                                  FingerprintMismatchError, ManifestError, NoSuchCheckpointError)
+from checkpointing.service import CheckpointService, RunMetadata
+from runtime import collective
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreResult:
+    """What a start-up got: the step it starts at, its state, and where that came from."""
+
+    step: int  # 0 for a fresh start
+    state: object
+    tier: str | None  # "persistent", "local", or None (a fresh init)
+    manifest: dict | None  # the restored step's manifest (read once), None for a fresh init
+
+
+def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata) -> list[int]:
+    """Committed steps to try, in order ([] means start fresh); checked before anything runs.
+
+    Reads only the directory listing, the verdicts and one manifest, so a bad request fails
+    before any compile, log line or write.
+    """
+    committed = workdir_lib.committed_steps(workdir)
+    if options.resume_from == "none":
+        if committed:
+            raise BadCheckpointRequest(f"--resume_from=none but {workdir} already has committed steps {committed}; "
+                                       "use a new --workdir or --resume_from=latest")
+        return []
+    if options.resume_from == "latest":
+        candidates = committed[::-1]
+    elif options.resume_from == "latest_verified":
+        candidates = verdicts.reproduced_steps(workdir, committed)[::-1]
+        if committed and not candidates:
+            raise BadCheckpointRequest(
+                f"--resume_from=latest_verified: none of the committed steps {committed} was reproduced by the "
+                "verifier; run python -m verifier.verify or use --resume_from=latest")
+    else:
+        step = int(options.resume_from)
+        if step not in committed:
+            raise NoSuchCheckpointError(
+                f"--resume_from={step}: not a committed step (committed: {committed or 'none'})")
+        if committed[-1] > step:
+            raise BadCheckpointRequest(
+                f"--resume_from={step}: newer steps {[s for s in committed if s > step]} exist and would be "
+                "overwritten; resume into a new --workdir")
+        candidates = [step]
+    if candidates:
+        try:
+            check_config_matches(candidates[0], workdir_lib.read_manifest(workdir, candidates[0]), run)
+        except (ManifestError, CorruptCheckpointError):
+            pass  # a missing or unreadable manifest is corruption: restore_or_init falls back past it
+    return candidates
+
+
+def restore_or_init(options: CheckpointConfig, service: CheckpointService, local: CheckpointService | None,
+                    candidates: list[int], abstract_state, init_fn: Callable[[], object],
+                    init_from: dict | None = None) -> RestoreResult:
+    """The first candidate that restores intact (the local tier's first, see the module docstring),
+    or a fresh init at step 0 (with `init_from`'s params). Only an explicit resume_from=STEP (a single
+    candidate) fails on a corrupt step; otherwise the corrupt step is set aside and the next tried."""
+    resumed = _restore_local(options, local, abstract_state, newest_persistent=candidates[0] if candidates else -1)
+    if resumed is None:
+        resumed = _restore_persistent(options, service, candidates, abstract_state)
+    if resumed is None:
+        resumed = RestoreResult(0, fresh_state(init_fn, abstract_state, init_from), None, None)
+        if collective.is_primary():
+            logging.info("no checkpoint to resume in %s: starting from step 0%s", service.directory,
+                         f" with the params of step {init_from['step']} of {init_from['workdir']}" if init_from else "")
+    if local is not None:
+        newer = [s for s in local_tier.any_local_steps(local) if s > resumed.step]  # collective: every process
+        if newer:
+            logging.warning("setting aside local steps %s above the resumed step %d", newer, resumed.step)
+            local.set_aside(newer)
+    return resumed
+
+
+def fresh_state(init_fn: Callable[[], object], abstract_state, init_from: dict | None):
+    """init_fn()'s state; with `init_from`, its params replaced by that step's (fingerprints checked)."""
+    state = init_fn()
+    if not init_from:
+        return state
+    params, manifest = partial.restore_subtree(init_from["workdir"], init_from["step"], "params",
+                                               subtree(abstract_state, "params"))
+    if manifest["digest"] != init_from["digest"]:
+        raise CorruptCheckpointError(f"--init_from: step {init_from['step']} of {init_from['workdir']} is not the "
+                                     f"save this run started from (digest {manifest['digest'][:12]} != recorded "
+                                     f"{init_from['digest'][:12]})")
+    return with_subtree(state, "params", params)
+
+
+def subtree(tree, name: str):
+    return tree[name] if isinstance(tree, dict) else getattr(tree, name)
+
+
+def with_subtree(tree, name: str, value):
+    """`tree` with its `name` field or key replaced (a flax struct, a dataclass or a dict)."""
+    if isinstance(tree, dict):
+        return {**tree, name: value}
+    if hasattr(tree, "replace"):
+        return tree.replace(**{name: value})
+    return dataclasses.replace(tree, **{name: value})
+
+
+def _restore_local(options: CheckpointConfig, local: CheckpointService | None, abstract_state,
+                   newest_persistent: int) -> RestoreResult | None:
+    if local is None or options.resume_from != "latest":
+        return None
+    why = local_tier.other_layout(local, abstract_state)  # collective
+    if why is not None:
+        logging.warning("local tier: its steps were written on another layout, resuming from the persistent "
+                        "tier (%s)", why)
+        return None
+    steps = [s for s in local_tier.complete_local_steps(local)[::-1] if s >= newest_persistent]
+    for step in steps:
+        try:
+            restored = local.restore(step, abstract_state)
+            check_step_counter(step, restored.state)
+        except local_tier.LocalLayoutMismatchError as err:
+            logging.warning("local tier: steps %s were written on another layout, resuming from the persistent "
+                            "tier (%s)", steps, err)
+            return None
+        except CheckpointError as err:  # damaged or unreadable on some host: the next candidate
+            logging.error("local checkpoint step %d cannot be restored (%s); falling back to %s", step, err,
+                          "an older local step" if step != steps[-1] else "the persistent tier")
+            continue
+        if collective.is_primary():
+            logging.info("resumed from step %d (local), saved on mesh %s", step, restored.manifest["mesh"])
+        return RestoreResult(step, restored.state, manifest_lib.LOCAL, restored.manifest)
+    return None
+
+
+def _restore_persistent(options: CheckpointConfig, service: CheckpointService, candidates: list[int],
+                        abstract_state) -> RestoreResult | None:
+    for index, step in enumerate(candidates):
+        try:
+            restored = service.restore(step, abstract_state)
+            check_step_counter(step, restored.state)
+            if options.resume_from == "latest_verified":
+                _require_proof_of_this_save(service.directory, step, restored.manifest)
+        except (CorruptCheckpointError, FingerprintMismatchError, ManifestError) as err:
+            if len(candidates) == 1 and options.resume_from not in ("latest", "latest_verified"):
+                raise
+            logging.error("checkpoint step %d cannot be restored (%s); falling back to %s", step, err,
+                          f"step {candidates[index + 1]}" if index + 1 < len(candidates) else "a fresh start")
+            continue
+        newer = [s for s in service.committed_steps() if s > step]
+        if newer:
+            logging.warning("resuming from step %d; setting aside newer steps %s in %s/superseded", step, newer,
+                            service.directory)
+            service.set_aside(newer)
+        if collective.is_primary():
+            logging.info("resumed from step %d (persistent), saved on mesh %s", step, restored.manifest["mesh"])
+        return RestoreResult(step, restored.state, manifest_lib.PERSISTENT, restored.manifest)
+    if candidates:
+        service.set_aside(service.committed_steps())
+    return None
+
+
+def check_step_counter(step: int, state) -> None:
+    """A state with a step counter (`.step` or `['step']`) must hold the step it was saved as."""
+    counter = state.get("step") if isinstance(state, dict) else getattr(state, "step", None)
+    if counter is not None and int(counter) != step:
+        raise CorruptCheckpointError(f"step {step}: its state's step counter reads {int(counter)}")
+
+
+def _require_proof_of_this_save(workdir: str, step: int, manifest: dict) -> None:
+    """A verdict proves one save: the step number may have been set aside and saved again since."""
+    verdict = verdicts.read(workdir, step)
+    if not verdicts.is_reproduced(verdict) or verdict.get("manifest_digest") != manifest.get("digest"):
+        raise CorruptCheckpointError(f"step {step}: its reproduced verdict belongs to another save of that step")

@@ -1,0 +1,169 @@
+"""The verifier over a workdir: which committed steps are pending, in what order they are proved, and
+the verdicts written (process 0 writes; every process restores and replays, following one plan).
+
+Intact proofs come first, HELD_STATES steps at a time, each step restored once and held for its own
+replay (verifier/proofs.py); under --follow, steps committed during a replay are proved intact
+between its REPLAY_CHUNK_STEPS-step chunks, so a new commit's first verdict does not wait for it.
+It only reads checkpoints; the one thing it writes is verdicts.
+"""
+
+import threading
+
+import jax
+from absl import logging
+
+from checkpointing import verdicts
+from checkpointing.workdir import committed_steps, read_manifest
+from runtime import collective
+from verifier import program as program_lib
+from verifier.proofs import HeldStep, StepProofs, VerifierOptions
+
+# Restored, intact steps held for their replays: with the anchor, the replay's own state and the
+# step being proved, at most HELD_STATES + 3 states are on the verifier's devices at once.
+HELD_STATES = 2
+# --follow looks for new commits every this many replayed steps and proves them intact at once.
+REPLAY_CHUNK_STEPS = 2
+
+
+class Verifier(StepProofs):
+    def __init__(self, options: VerifierOptions):
+        super().__init__(options)
+        self._held: dict[int, HeldStep] = {}  # intact steps (verdict written) waiting for their replay
+        self._intact_between_chunks = False  # --follow: prove new commits intact during a replay
+        self._proving: int | None = None  # the step whose replay is running
+
+    def pending_steps(self) -> list[int]:
+        return self._pending_and_proved()[0]
+
+    def _pending_and_proved(self) -> tuple[list[int], list[int]]:
+        """(committed steps without a complete verdict, committed reproduced steps), oldest first.
+
+        Reads the verdicts of committed steps only (retention bounds them), never every verdict a
+        long run wrote; a set-aside step's verdict has moved out with it, so a step saved again
+        under its number is pending again.
+        """
+        committed = committed_steps(self.options.workdir)
+        found = verdicts.read_steps(self.options.workdir, committed)
+        pending = [step for step in committed if step not in found or not found[step]["complete"]]
+        return pending, [step for step in committed if verdicts.is_reproduced(found.get(step))]
+
+    def verify_pending(self, max_steps: int | None = None) -> list[dict]:
+        """Proves the pending steps (the oldest `max_steps` of them; None: all) once each, writes
+        their verdicts and returns the complete ones."""
+        plan = self._agreed_plan()
+        planned = {step for step, _ in plan}
+        for step in [step for step in self._held if step not in planned]:
+            del self._held[step]  # deleted or set aside since it was held
+        plan = plan[:max_steps]
+        return [verdict for first in range(0, len(plan), HELD_STATES)
+                for verdict in self._prove_together(plan[first:first + HELD_STATES])]
+
+    def _prove_together(self, plan: list[tuple[int, int | None]]) -> list[dict]:
+        """Intact proofs of every step first, each verdict written as soon as it is known, then the
+        replays in ascending step order: a step that committed while an older one waited gets its
+        intact verdict before that one's replay. Each step is restored once, and its state held
+        for its own replay."""
+        written = []
+        for step, _ in plan:
+            verdict = self._hold_if_intact(step)
+            if verdict is not None:
+                written.append(verdict)
+        for step, disk_anchor in plan:
+            if step in self._held:  # popped: its state is released once proved
+                self._proving = step
+                try:
+                    verdict = self._prove(step, self._held.pop(step), disk_anchor)
+                finally:
+                    self._proving = None
+                self._write(verdict)
+                written.append(verdict)
+        return written
+
+    def _hold_if_intact(self, step: int) -> dict | None:
+        """Restores `step` (unless held) and writes its intact verdict; holds its state for the
+        replay and returns None, or returns the complete verdict of a step that is not intact."""
+        if step in self._held:
+            return None
+        # Every process takes part: restores and replays are collective; process 0 writes.
+        verdict, restored = self._intact(step)
+        self._write(verdict)
+        if restored is None:
+            return verdict
+        self._held[step] = restored
+        return None
+
+    def _replay(self, program, state, start_step: int, count: int):
+        """program.replay_losses in chunks; under --follow, steps committed meanwhile are proved intact
+        (and held) between chunks, so their first verdict does not wait for this whole replay."""
+        losses = {}
+        for first in range(start_step, start_step + count, REPLAY_CHUNK_STEPS):
+            steps = min(REPLAY_CHUNK_STEPS, start_step + count - first)
+            state, chunk = program_lib.replay_losses(program, state, first, steps)
+            losses.update(chunk)
+            if self._intact_between_chunks and first + REPLAY_CHUNK_STEPS < start_step + count:
+                self._prove_new_commits_intact()
+        return state, losses
+
+    def _prove_new_commits_intact(self) -> None:
+        if len(self._held) >= HELD_STATES:  # the same on every process: they follow one plan
+            return
+        skip = set(self._held) | {self._proving}
+        for step, _ in self._agreed_plan():  # every process the same plan: the restores are collective
+            if len(self._held) >= HELD_STATES:
+                break
+            if step not in skip:
+                self._hold_if_intact(step)
+
+    def _write(self, verdict: dict) -> None:
+        if jax.process_index() != 0:
+            return
+        verdicts.write(self.options.workdir, verdict)
+        if verdict["complete"]:
+            logging.log(logging.ERROR if verdict["status"] == "fail" else logging.INFO,
+                        "verdict step %d: %s %s: %s", verdict["step"], verdict["level"], verdict["status"],
+                        verdict["detail"])
+
+    def follow(self, stop: threading.Event, until_step: int | None = None) -> list[dict]:
+        """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
+        written, delay = [], self.options.poll_secs
+        self._intact_between_chunks = True
+        while not stop.is_set():
+            # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
+            fresh = self.verify_pending(max_steps=HELD_STATES)
+            written += fresh
+            if self._finished(until_step):
+                break
+            if fresh:  # more may be pending already: list again at once, and back off from the start
+                delay = self.options.poll_secs
+                continue
+            stop.wait(delay)
+            delay = min(delay * 2, self.options.max_poll_secs)
+        return written
+
+    def _agreed_plan(self) -> list[tuple[int, int | None]]:
+        """(step, newest reproduced step on disk before it) pairs, decided by process 0 for all.
+
+        Processes listing the directory themselves could see different steps (a commit lands
+        between two listings) and then replay different lengths: a deadlock in the collectives.
+        """
+        plan = []
+        if jax.process_index() == 0:
+            pending, proved = self._pending_and_proved()
+            for step in pending:
+                plan.append((step, next((s for s in reversed(proved) if s < step), None)))
+        rows = collective.broadcast_rows([(step, -1 if anchor is None else anchor) for step, anchor in plan], 2)
+        return [(step, None if anchor == -1 else anchor) for step, anchor in rows]
+
+    def _finished(self, until_step: int | None) -> bool:
+        return collective.decided_by_primary(lambda: self._finished_here(until_step))
+
+    def _finished_here(self, until_step: int | None) -> bool:
+        if self.pending_steps():
+            return False
+        committed = committed_steps(self.options.workdir)
+        if not committed:
+            return False
+        last = committed[-1]
+        if until_step is not None:
+            return last >= until_step
+        return read_manifest(self.options.workdir, last)["reason"] == "final"
