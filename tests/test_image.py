@@ -30,6 +30,9 @@ STEPS = 100
 TRAIN_FLAGS = [f"--steps={STEPS}", "--save_every_steps=10", "--max_to_keep=100", "--batch_size=32",
                "--log_every_steps=5"]
 FIRST_MESH, SECOND_MESH = "--mesh=data=4,model=2", "--mesh=data=8"
+# The first test to run also builds the image: about 1.5 minutes on a fresh machine, more on a slow
+# network; pytest-timeout counts fixture set-up in the test's time.
+BUILD_TIMEOUT_SECS = 900
 JAX_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 IMAGE_WORKDIR = "/tmp/run"  # the host sees it as <the test's tmp>/run
 
@@ -43,7 +46,7 @@ def built(tmp_path_factory):
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must build the image, but {reason}")
         pytest.skip(f"cannot build the image here: {reason}")
-    seconds = image.build(str(tmp_path_factory.mktemp("image") / "build.log"))
+    seconds = image.build(str(tmp_path_factory.mktemp("image") / "build.log"), timeout=BUILD_TIMEOUT_SECS)
     size = image.inspect()["Size"]
     logging.warning("image %s built in %.0f s; %.2f GB", image.TAG, seconds, size / 1e9)
     return size
@@ -61,6 +64,7 @@ def container(built, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(BUILD_TIMEOUT_SECS + 300)
 def test_the_image_runs_as_a_non_root_user_without_network_and_passes_exit_codes_through(container):
     probe = container.run("python", "-c", "import os, socket; print(os.getuid(), os.getcwd(), socket.if_nameindex())")
     assert probe.returncode == 0, probe.stderr[-3000:]
@@ -85,6 +89,7 @@ def _wait(predicate, proc, log_path: str, what: str, timeout: float = 240) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(BUILD_TIMEOUT_SECS + 600)
 def test_the_image_trains_is_killed_resumes_on_another_mesh_is_preempted_and_proved(container, tmp_path):
     workdir, reference = str(tmp_path / "tmp" / "run"), str(tmp_path / "uninterrupted")
     train = ("train", f"--workdir={IMAGE_WORKDIR}", *TRAIN_FLAGS)
