@@ -1,9 +1,10 @@
-"""docker/Dockerfile and its entry point, checked without a Docker daemon.
+"""docker/Dockerfile and its entry point, checked without building the image.
 
-The image cannot be built here, so these tests read the Dockerfile as Docker would (instructions,
-line continuations), check it against pyproject.toml, launch/setup.sh and the ignore file, and run
-docker/entrypoint.sh itself with this checkout's Python: every command word must reach a module
-that imports and parses its flags (slow: one Python process per command; the rest is plain sh).
+tests/test_image.py builds the image and runs it. These tests are the quick ones: they read the
+Dockerfile as Docker would (instructions, line continuations), check it against pyproject.toml,
+launch/setup.sh and the ignore file, and run docker/entrypoint.sh itself with this checkout's
+Python: every command word must reach a module that imports and parses its flags (slow: one
+Python process per command; the rest is plain sh).
 """
 
 import concurrent.futures
@@ -72,6 +73,11 @@ def test_copies_everything_the_install_needs_and_the_ignore_file_lets_it_through
     # pyproject's package list, its readme, and the files setup.sh reads must all be in the image.
     packages = re.findall(r'"(\w+)\*"', re.search(r"include = \[(.*)\]", read("pyproject.toml"))[1])
     assert set(packages) <= set(sources), packages
+    # Every top-level package of the checkout is one that pyproject installs (so the image copies it),
+    # the ones that are not the product aside: a new package, say verifier/, cannot be left out.
+    top_level = {name for name in os.listdir(helpers.REPO_ROOT)
+                 if os.path.isfile(os.path.join(helpers.REPO_ROOT, name, "__init__.py"))}
+    assert top_level - {"tests", "examples", "benchmarks"} <= set(packages), sorted(top_level)
     assert {"pyproject.toml", "README.md", "launch", "docker/entrypoint.sh"} <= set(sources)
     # COPY comes before the install step that reads it.
     order = [k for k, _ in instructions()]

