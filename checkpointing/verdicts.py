@@ -31,10 +31,8 @@ Fields:
 
 import datetime
 import json
-import os
-import uuid
 
-
+from checkpointing import durable
 from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
 from checkpointing import workdir as workdir_lib
 from checkpointing.workdir import fresh_path
@@ -76,21 +74,17 @@ def validate(verdict, where: str = "verdict") -> dict:
 
 
 def write(workdir: str, verdict: dict) -> None:
-    """Writes the verdict so that readers see the old file or the new one, never a part."""
+    """Writes the verdict so that readers see the old file (damaged or not) or the whole new one,
+    and on a local disk durably (checkpointing/durable.py: fsync, rename, fsync the directory)."""
     path = workdir_lib.verdict_file(workdir, verdict["step"])
     text = json.dumps(verdict, indent=1, sort_keys=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if str(path).startswith("gs://"):
-            path.write_text(text)  # a GCS object appears whole or not at all
-            return
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        if durable.is_local(path):
+            durable.write_text(path, text)  # a full disk removes its tmp file
+        else:
+            path.write_text(text)  # a GCS object appears whole or not at all, durable once written
     except OSError as err:
-        # A full disk fails the write (or the rename) after the tmp file exists: never leave it behind.
-        if not str(path).startswith("gs://"):
-            tmp.unlink(missing_ok=True)
         raise CheckpointError(f"verdict of step {verdict['step']}: cannot write {path}: {one_line_cause(err)}") from err
 
 
