@@ -2,9 +2,9 @@
 
 Both stores hold numbered records `<generation>.json` and offer the same five operations; the
 one that matters is `create`, which never replaces an existing record:
-  - local disks: the record is written to a private tmp file and hard-linked to its name. link(2)
-    fails if the name exists (the O_CREAT|O_EXCL guarantee, NFS included), and the record appears
-    whole, never half-written;
+  - local disks: the record is written to a private tmp file, fsynced and hard-linked to its name,
+    then the directory is fsynced (checkpointing/durable.py). link(2) fails if the name exists (the
+    O_CREAT|O_EXCL guarantee, NFS included), and the record appears whole, never half-written;
   - gs://: the object is uploaded with if_generation_match=0, which GCS refuses if it exists; a
     rewrite names the object generation it read (google-cloud-storage honours
     STORAGE_EMULATOR_HOST, so tests run against an emulator).
@@ -13,6 +13,8 @@ one that matters is `create`, which never replaces an existing record:
 import os
 import re
 import secrets
+
+from checkpointing import durable
 
 RECORD_NAME = re.compile(r"(\d+)\.json")
 GCS_TIMEOUT_SECS = 10.0  # per request; transient errors are retried for at most 3x this in all
@@ -69,6 +71,7 @@ class LocalStore:
             pass
         finally:
             _unlink(tmp)
+        durable.sync_dir(self.where)  # the link (and the tmp file's removal) reach the disk
 
     def replace(self, generation: int, text: str, version) -> None:
         tmp = self._write_tmp(generation, text)
@@ -77,9 +80,11 @@ class LocalStore:
         except BaseException:
             _unlink(tmp)
             raise
+        durable.sync_dir(self.where)
 
     def remove(self, generation: int) -> None:
         _unlink(self._path(generation))
+        durable.sync_dir(self.where)
 
     def _path(self, generation: int) -> str:
         return os.path.join(self.where, f"{generation}.json")

@@ -1,5 +1,6 @@
 """The Orbax pieces the service plugs in: a manifest written inside the background save, a
-retention policy that spares protected steps, and a manager that asks the caller's preemption decision.
+retention policy that spares protected steps, a durable commit on local disks, and a manager that
+asks the caller's preemption decision.
 
 Kept apart from the service because they lean on Orbax's extension points (one of them private:
 tests/test_service_api.py pins it), so an Orbax upgrade is read here first.
@@ -8,11 +9,16 @@ tests/test_service_api.py pins it), so an Orbax upgrade is read here first.
 import asyncio
 import concurrent.futures
 import dataclasses
+import time
 from typing import Callable, Iterable, Sequence
 
 import orbax.checkpoint as ocp
+from absl import logging
 from orbax.checkpoint import checkpoint_managers
+from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
+from orbax.checkpoint._src.path import async_path, atomicity
 
+from checkpointing import durable
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import workdir as workdir_lib
 
@@ -68,12 +74,47 @@ class ProtectedSteps(checkpoint_managers.PreservationPolicy):
         return [info.step in keep for info in checkpoints]
 
 
-class Manager(ocp.CheckpointManager):
-    """Orbax's manager, answering its own preemption queries from the caller's one decision."""
+class DurableRename(atomicity.AtomicRenameTemporaryPath):
+    """Orbax's commit on a local disk (rename `<step>.orbax-checkpoint-tmp` to `<step>`), made durable.
 
-    def __init__(self, *args, preemption_decision: Callable[[int], bool], **kwargs):
+    TensorStore fsyncs the array chunks, but Orbax's own files (`_CHECKPOINT_METADATA`,
+    `state/_METADATA`, `array_metadatas/process_*`, the manifest) and the rename never are. So, in
+    the order of checkpointing/durable.py: every file of the tmp directory is fsynced once the last
+    one is written, then the rename, then `checkpoints/`. Orbax logs "Finished saving" and the
+    manager counts the step only after this returns, so no commit is reported before it is durable.
+
+    Its body is Orbax 0.12's `AtomicRenameTemporaryPath.finalize` with the two fsyncs added
+    (tests/test_durability.py pins that body).
+    """
+
+    async def finalize(self) -> None:
+        if self._snapshot is not None:  # the service never asks for snapshots
+            raise NotImplementedError("DurableRename does not support snapshots")
+        tmp, final = self.get(), self.get_final()
+        logging.info("Renaming %s to %s", tmp, final)
+        store = self._checkpoint_metadata_store
+        if store:  # Orbax records the commit time in _CHECKPOINT_METADATA before the rename
+            await asyncio.to_thread(store.wait_until_finished)
+            await asyncio.to_thread(store.update, file_path=checkpoint_metadata.step_metadata_file_path(tmp),
+                                    commit_timestamp_nsecs=time.time_ns())
+            await asyncio.to_thread(store.wait_until_finished)
+        await async_path.write_text(tmp / atomicity.COMMIT_SUCCESS_FILE, f"Checkpoint commit was successful to {final}")
+        await asyncio.to_thread(durable.sync_tree, tmp)
+        await async_path.rename(tmp, final)
+        await asyncio.to_thread(durable.sync_dir, final.parent)
+
+
+class Manager(ocp.CheckpointManager):
+    """Orbax's manager, answering its own preemption queries from the caller's one decision, with a
+    durable commit (DurableRename) on local disks."""
+
+    def __init__(self, directory, *args, preemption_decision: Callable[[int], bool],
+                 options: ocp.CheckpointManagerOptions | None = None, **kwargs):
         self._preemption_decision = preemption_decision
-        super().__init__(*args, **kwargs)
+        options = options or ocp.CheckpointManagerOptions()
+        if durable.is_local(directory) and options.temporary_path_class is None:
+            options = dataclasses.replace(options, temporary_path_class=DurableRename)
+        super().__init__(directory, *args, options=options, **kwargs)
 
     def reached_preemption(self, step: int) -> bool:
         return self._preemption_decision(step)

@@ -38,7 +38,7 @@ def table_rows(workdir: str) -> list[dict]:
             "reason": manifest["reason"],
             "resumed_from": _resumed_from(manifest),
             "losses": f"{min(losses):.6g}..{max(losses):.6g} ({len(losses)} steps)" if losses else "-",
-            "verdict": verdicts.summary(verdicts.read(workdir, step)),
+            "verdict": verdicts.describe(workdir, step),
         })
     return rows
 

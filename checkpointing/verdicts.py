@@ -1,7 +1,9 @@
 """Verdicts: what the verifier proved about each step, one small JSON per step.
 
 Written atomically (a whole file appears or none: rename on a local disk, a single object write on
-gs://) under `<workdir>/verdicts/<step>.json`, and schema-checked on read like manifests.
+gs://) under `<workdir>/verdicts/<step>.json`, and schema-checked on read like manifests. A damaged
+file (half a file after a power loss) counts as no verdict, with one warning: a reader's file never
+stops the writer, and the verifier writes it again.
 
 Levels, weakest first (each includes the ones before it):
   intact      the step restored onto the verifier's mesh: its manifest matches its digest, every
@@ -31,13 +33,15 @@ Fields:
 
 import datetime
 import json
-import os
-import uuid
 
+from absl import logging
 
+from checkpointing import durable
 from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
 from checkpointing import workdir as workdir_lib
 from checkpointing.workdir import fresh_path
+
+_WARNED: set[str] = set()  # the damaged verdict files this process has warned about
 
 LEVELS = ("intact", "replayed", "reproduced")
 STATUSES = ("pass", "fail", "gone")
@@ -76,34 +80,50 @@ def validate(verdict, where: str = "verdict") -> dict:
 
 
 def write(workdir: str, verdict: dict) -> None:
-    """Writes the verdict so that readers see the old file or the new one, never a part."""
+    """Writes the verdict so that readers see the old file (damaged or not) or the whole new one,
+    and on a local disk durably (checkpointing/durable.py: fsync, rename, fsync the directory)."""
     path = workdir_lib.verdict_file(workdir, verdict["step"])
     text = json.dumps(verdict, indent=1, sort_keys=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex}.tmp"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if str(path).startswith("gs://"):
-            path.write_text(text)  # a GCS object appears whole or not at all
-            return
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        if durable.is_local(path):
+            durable.write_text(path, text)  # a full disk removes its tmp file
+        else:
+            path.write_text(text)  # a GCS object appears whole or not at all, durable once written
     except OSError as err:
-        # A full disk fails the write (or the rename) after the tmp file exists: never leave it behind.
-        if not str(path).startswith("gs://"):
-            tmp.unlink(missing_ok=True)
         raise CheckpointError(f"verdict of step {verdict['step']}: cannot write {path}: {one_line_cause(err)}") from err
 
 
-def read(workdir: str, step: int) -> dict | None:
+def load(workdir: str, step: int) -> tuple[dict | None, str | None]:
+    """(the verdict, None); (None, None) if the step has none; (None, why) if its file is damaged
+    (half a file after a power loss, bytes that are not a verdict). The one place verdicts are parsed."""
     path = workdir_lib.verdict_file(workdir, step)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
-        return None
+        return None, None
     try:
-        return validate(json.loads(text), f"verdict of step {step}")
+        return validate(json.loads(data.decode()), f"verdict of step {step}"), None
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
     except json.JSONDecodeError as err:
-        raise ManifestError(f"verdict of step {step}: not valid JSON ({err})") from None
+        return None, f"not valid JSON ({err})"
+    except ManifestError as err:
+        return None, str(err).removeprefix(f"verdict of step {step}: ")
+
+
+def read(workdir: str, step: int) -> dict | None:
+    """The step's verdict, or None if it has none. A damaged verdict is a reader's file and never
+    stops anyone (retention, latest_verified, the verifier, inspect): it counts as no verdict, so
+    the step is unproved until the verifier writes it again, and it is warned about once."""
+    verdict, damage = load(workdir, step)
+    if damage is not None:
+        path = str(workdir_lib.verdict_file(workdir, step))
+        if path not in _WARNED:
+            _WARNED.add(path)
+            logging.warning("verdict of step %d is damaged: %s: %s; the step counts as unproved until the verifier "
+                            "proves it again", step, path, damage)
+    return verdict
 
 
 def read_steps(workdir: str, steps) -> dict[int, dict]:
@@ -138,6 +158,12 @@ def reproduced_steps(workdir: str, among) -> list[int]:
 def newest_reproduced_step(workdir: str, among) -> int | None:
     steps = reproduced_steps(workdir, among)
     return steps[-1] if steps else None
+
+
+def describe(workdir: str, step: int) -> str:
+    """inspect's verdict column: summary(), or "damaged" when the file cannot be read as a verdict."""
+    verdict, damage = load(workdir, step)
+    return "damaged (unproved)" if damage is not None else summary(verdict)
 
 
 def summary(verdict: dict | None) -> str:

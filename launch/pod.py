@@ -2,15 +2,17 @@
 
 The pod's code is what a scheduler acts on (runtime/exit_codes.py):
   0   every process succeeded
-  75  requeue: every process exited 0 or 75 (a preemption, saved); or a process the launcher had
-      sent SIGTERM died of it (preempted before it could save: nothing is lost); or a process was
+  75  requeue: every process exited 0 or 75 (a preemption, saved); or a process died of SIGTERM,
+      whoever sent it (preempted before it had a handler, within about 0.1 s of its start: nothing
+      to save, nothing is lost); or a process was
       LOST, killed by SIGKILL from outside the pod (the OOM killer, a lost node). When a peer is
       lost the runtime itself aborts the survivors (a C++ check failure, -6, once
       --heartbeat_timeout_secs passes; the abort cannot be intercepted from Python). Nothing
       committed is lost either way, and a requeue resumes from the latest committed step.
   2   bad input (any process exited 2)
   1   anything else (a crash: a blind restart may loop)
-A process that exits 75 while its peers still run makes the launcher forward SIGTERM to them: a
+A process that exits 75 (or dies of SIGTERM) while its peers still run makes the launcher forward
+SIGTERM to them at once: a
 preemption of one process is a preemption of the pod (a peer still waiting for it at start-up
 would otherwise wait out its timeout).
 """
@@ -38,7 +40,6 @@ def free_port() -> int:
 @dataclasses.dataclass
 class Pod:
     processes: list[subprocess.Popen]
-    signalled: set[int] = dataclasses.field(default_factory=set)  # sent SIGTERM by the launcher
     killed: set[int] = dataclasses.field(default_factory=set)  # sent SIGKILL by the launcher
 
     @property
@@ -49,7 +50,8 @@ class Pod:
         for index, proc in enumerate(self.processes):
             if proc.poll() is None:
                 proc.send_signal(signum)
-                (self.killed if signum == signal.SIGKILL else self.signalled).add(index)
+                if signum == signal.SIGKILL:
+                    self.killed.add(index)
 
     def kill(self, index: int) -> None:
         self.killed.add(index)
@@ -60,9 +62,9 @@ class Pod:
         return [i for i, p in enumerate(self.processes) if p.returncode == -signal.SIGKILL and i not in self.killed]
 
     def codes(self) -> list[int]:
-        """Exit codes, a death by the launcher's own SIGTERM counted as preempted (it had nothing to save)."""
-        return [exit_codes.PREEMPTED if p.returncode == -signal.SIGTERM and i in self.signalled else p.returncode
-                for i, p in enumerate(self.processes)]
+        """Exit codes, a death by SIGTERM counted as preempted: the launcher's own or a scheduler's that
+        came before the process had a handler (it had nothing to save)."""
+        return [exit_codes.PREEMPTED if p.returncode == -signal.SIGTERM else p.returncode for p in self.processes]
 
 
 def start_pod(module: str, flags_: list[str], num_processes: int, devices_per_process: int,
@@ -100,9 +102,10 @@ def wait_pod(pod: Pod, peer_exit_grace_secs: float) -> int:
     while any(p.poll() is None for p in pod.processes):
         if first_exit is None and any(p.poll() is not None for p in pod.processes):
             first_exit = time.monotonic()
-        if not forwarded and any(p.poll() == exit_codes.PREEMPTED for p in pod.processes):
+        if not forwarded and any(p.poll() in (exit_codes.PREEMPTED, -signal.SIGTERM) for p in pod.processes):
             forwarded = True
-            logging.warning("a process exited %d (preempted): SIGTERM to the others", exit_codes.PREEMPTED)
+            logging.warning("a process was preempted (exit %d or SIGTERM): SIGTERM to the others",
+                            exit_codes.PREEMPTED)
             pod.signal_all(signal.SIGTERM)
         if first_exit is not None and time.monotonic() - first_exit > peer_exit_grace_secs:
             for index, proc in enumerate(pod.processes):

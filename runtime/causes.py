@@ -16,8 +16,10 @@ _CAUSES = (
                      "could not resolve host", "name or service not known", "connection reset")),
     ("file truncated", ("truncated", "unexpected end of", "end of file", "data_loss", "out_of_range")),
     ("file missing", ("not_found", "no such file or directory")),
-    ("permission denied", ("permission denied", "permission_denied", "read-only file system")),
+    ("read-only file system", ("read-only file system", "os_error_code='30'", "erofs")),
+    ("permission denied", ("permission denied", "permission_denied")),
 )
+_ERRNOS = {"no space left on device": errno.ENOSPC, "read-only file system": errno.EROFS}
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -54,7 +56,7 @@ def one_line_cause(error: BaseException) -> str:
     for cause, markers in _CAUSES:
         hits = [i for i, (err, text) in enumerate(zip(chain, texts))
                 if any(marker in text for marker in markers)
-                or cause == "no space left on device" and getattr(err, "errno", None) == errno.ENOSPC]
+                or cause in _ERRNOS and getattr(err, "errno", None) == _ERRNOS[cause]]
         if not hits:
             continue
         if cause == "unreachable":

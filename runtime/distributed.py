@@ -8,8 +8,9 @@ Where the process count comes from, in order:
 After initialization JAX's preemption notifier owns SIGTERM: see runtime/preemption.py.
 
 Before that, start-up is guarded (`hold_sigterm`, which the trainer calls before it even imports
-JAX, an import of about a second): a SIGTERM is a preemption that came early, so the process exits
-75 at once with nothing to save, even while initialize() is blocked in C++ waiting for its peers;
+JAX, an import of about a second): a SIGTERM (or a Ctrl-C, SIGINT) is a preemption that came early,
+so the process exits 75 at once with nothing to save, even while initialize() is blocked in C++
+waiting for its peers;
 and a peer that never connects is one line and exit 1 after --initialization_timeout_secs, not
 the runtime's abort (rc 134) after five minutes.
 
@@ -37,6 +38,8 @@ INITIALIZATION_TIMEOUT_SECS = flags.DEFINE_integer(
 
 # The runtime's own limit is set past ours: when it expires it aborts the process.
 _RUNTIME_TIMEOUT_MARGIN_SECS = 30
+# The signals that mean "preempted": a scheduler's SIGTERM and a person's Ctrl-C (SIGINT).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _exit_now(code: int, line: str) -> None:
@@ -48,22 +51,22 @@ def _exit_now(code: int, line: str) -> None:
 
 
 class _StartupGuard:
-    """Owns SIGTERM and a deadline until the distributed runtime has started.
+    """Owns SIGTERM and SIGINT and a deadline until the distributed runtime has started.
 
     Python runs signal handlers only between the main thread's bytecodes, and initialize() blocks
-    the main thread in C++ for as long as peers are missing. So SIGTERM is blocked in every thread
-    (threads started later inherit the mask) and taken here with sigtimedwait.
+    the main thread in C++ for as long as peers are missing. So both signals are blocked in every
+    thread (threads started later inherit the mask) and taken here with sigtimedwait.
     """
 
     def __init__(self, holds_sigterm: bool):
         self.holds_sigterm = holds_sigterm
         if holds_sigterm:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(PREEMPTION_SIGNALS))
         self._lock = threading.Lock()
         self._deadline: float | None = None
         self._what = ""
         self._released = threading.Event()
-        self._taken_late = False
+        self._taken_late: int | None = None  # a signal taken while release() ran: sent again
         self._thread = threading.Thread(target=self._watch, name="startup-guard", daemon=True)
         self._thread.start()
 
@@ -75,43 +78,51 @@ class _StartupGuard:
         while not self._released.is_set():
             if not self.holds_sigterm:
                 self._released.wait(0.1)
-            elif signal.sigtimedwait([signal.SIGTERM], 0.1) is not None:
+            elif (taken := signal.sigtimedwait(PREEMPTION_SIGNALS, 0.1)) is not None:
                 if self._released.is_set():  # raced with release(): hand it on
-                    self._taken_late = True
+                    self._taken_late = taken.si_signo
                     return
                 _exit_now(exit_codes.PREEMPTED,
-                          "preempted before start-up (SIGTERM before the distributed runtime started): nothing to "
-                          f"save; exiting {exit_codes.PREEMPTED} so the scheduler requeues the job")
+                          f"preempted before start-up ({signal.Signals(taken.si_signo).name} before the distributed "
+                          f"runtime started): nothing to save; exiting {exit_codes.PREEMPTED} so the scheduler "
+                          "requeues the job")
             with self._lock:
                 late = self._deadline is not None and time.monotonic() > self._deadline
             if late:
                 _exit_now(exit_codes.FAILURE, f"error: {self._what}")
 
     def release(self) -> None:
-        """SIGTERM goes back to the process (JAX's notifier, or the handler the caller installs)."""
+        """The signals go back to the process (JAX's notifier, or the handlers the caller installs)."""
         self._released.set()
         self._thread.join()
         if not self.holds_sigterm:
             return
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # a pending one is delivered now
-        if self._taken_late:
-            os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PREEMPTION_SIGNALS))  # a pending one is delivered now
+        if self._taken_late is not None:
+            os.kill(os.getpid(), self._taken_late)
 
 
 _guard: _StartupGuard | None = None
 
 
 def hold_sigterm() -> None:
-    """From now until initialize() has started the runtime, SIGTERM exits 75 at once. Call first thing."""
+    """From now until initialize() has started the runtime, SIGTERM or SIGINT exits 75 at once. Call first
+    thing."""
     global _guard
     if _guard is None:
         _guard = _StartupGuard(holds_sigterm=True)
 
 
 def _preempted_before_training(signum, frame) -> None:
-    logging.warning("SIGTERM before training started: nothing to save; exiting %d so the scheduler requeues the job",
-                    exit_codes.PREEMPTED)
+    logging.warning("%s before training started: nothing to save; exiting %d so the scheduler requeues the job",
+                    signal.Signals(signum).name, exit_codes.PREEMPTED)
     sys.exit(exit_codes.PREEMPTED)
+
+
+def sigint_as_sigterm(signum, frame) -> None:
+    """With the runtime, JAX's notifier owns SIGTERM: a Ctrl-C becomes that same pod-wide preemption."""
+    logging.warning("SIGINT: treated as SIGTERM, a preemption")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _release_guard(single_process: bool) -> None:
@@ -119,8 +130,11 @@ def _release_guard(single_process: bool) -> None:
     if _guard is None:
         return
     guard, _guard = _guard, None
-    if single_process and guard.holds_sigterm:  # no notifier: exit 75 until the trainer installs its handler
-        signal.signal(signal.SIGTERM, _preempted_before_training)
+    if single_process and guard.holds_sigterm:  # no notifier: exit 75 until the trainer installs its handlers
+        for signum in PREEMPTION_SIGNALS:
+            signal.signal(signum, _preempted_before_training)
+    elif guard.holds_sigterm:  # the notifier has SIGTERM; a Ctrl-C is sent on to it
+        signal.signal(signal.SIGINT, sigint_as_sigterm)
     guard.release()
 
 

@@ -42,9 +42,29 @@ def exit_bad_input(error: Exception) -> None:
     sys.exit(BAD_INPUT)
 
 
+HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")  # absl's own, each printing and exiting 1
+
+
+def asks_for_help(argv: list[str]) -> bool:
+    """Whether the command line holds one of absl's help flags (before a `--` that ends the flags)."""
+    for arg in argv[1:]:
+        if arg == "--":
+            return False
+        name, _, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and name in HELP_FLAGS and value.lower() not in ("false", "0"):
+            return True
+    return False
+
+
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
-    """absl's flag parser for app.run, but a bad flag exits BAD_INPUT with one line (absl's own is 1)."""
+    """absl's flag parser for app.run, but a bad flag exits BAD_INPUT with one line (absl's own is 1),
+    and asking for help (--help, --helpfull, ...) is a success: exit OK (absl's own is 1)."""
     try:
         return flags.FLAGS(argv)
     except flags.Error as err:
         exit_bad_input(err)
+    except SystemExit as exit_:
+        if exit_.code == 1 and asks_for_help(argv):
+            sys.stdout.flush()
+            sys.exit(OK)
+        raise

@@ -6,6 +6,8 @@ must be called exactly once per step on every process (a second call for the sam
 answered differently on one host and deadlocked a pod in an un-timed barrier). Orbax asks again
 inside save() and at finalization; the checkpoint service answers it from `decided()`.
 A single process has no notifier: SIGTERM sets a flag that the next step's decision reads.
+SIGINT (Ctrl-C) is a preemption too, everywhere: a single process handles it like SIGTERM; in a
+multi-process job it is sent on as SIGTERM to JAX's notifier (runtime/distributed.py).
 """
 
 import signal
@@ -23,18 +25,23 @@ class PreemptionWatch:
         self._signalled = threading.Event()
         self._decisions: dict[int, bool] = {}
         self._asked = 0  # decisions asked of the runtime so far in this process
-        self._previous_handler = None
-        if not self._multiprocess and threading.current_thread() is threading.main_thread():
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous_handlers: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            if not self._multiprocess:
+                handlers = {signum: self._on_signal for signum in distributed.PREEMPTION_SIGNALS}
+            else:
+                handlers = {signal.SIGINT: distributed.sigint_as_sigterm}
+            self._previous_handlers = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
 
     def close(self) -> None:
-        """Gives SIGTERM back to whoever had it (tests run the trainer in-process)."""
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        """Gives the signals back to whoever had them (tests run the trainer in-process)."""
+        for signum, handler in self._previous_handlers.items():
+            if handler is not None:  # None: installed outside Python, nothing to put back
+                signal.signal(signum, handler)
+        self._previous_handlers = {}
 
-    def _on_sigterm(self, signum, frame) -> None:
-        logging.warning("SIGTERM: saving at the next step boundary, then exiting for a requeue")
+    def _on_signal(self, signum, frame) -> None:
+        logging.warning("%s: saving at the next step boundary, then exiting for a requeue", signal.Signals(signum).name)
         self._signalled.set()
 
     def decide(self, step: int) -> bool:

@@ -1,7 +1,8 @@
-"""Verdicts in-process on hand-built JSON: the atomic write, the schema on read, and which verdicts
-may anchor a proof or a resume (`is_reproduced`)."""
+"""Verdicts in-process on hand-built JSON: the atomic write, the schema on read (a damaged file counts as
+no verdict), and which verdicts may anchor a proof or a resume (`is_reproduced`)."""
 
 import json
+import logging
 import os
 
 import pytest
@@ -43,18 +44,32 @@ def test_a_failed_write_is_one_error_naming_the_step_and_leaves_no_tmp_file(tmp_
     assert os.listdir(workdir_lib.verdicts_dir(workdir)) == ["10.json"]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "verdict of step 10: not valid JSON"),
-    ("[]", "verdict of step 10: not a JSON object"),
-    (json.dumps({"step": 10}), "verdict of step 10: field 'level' must be str"),
+@pytest.mark.parametrize("text, damage", [
+    ("{not json", "not valid JSON"),
+    ('{"step": 10, "level": "repro', "not valid JSON"),  # half a file, as a power loss leaves it
+    ("[]", "not a JSON object"),
+    (json.dumps({"step": 10}), "field 'level' must be str"),
+    (b"\xff\xfe", "not UTF-8 text"),
 ])
-def test_a_damaged_verdict_is_refused_on_read(tmp_path, text, message):
+def test_a_damaged_verdict_counts_as_none_with_one_warning_and_inspect_calls_it_damaged(tmp_path, caplog, text,
+                                                                                          damage):
     workdir = str(tmp_path)
     path = workdir_lib.verdict_file(workdir, 10)
     path.parent.mkdir(parents=True)
-    path.write_text(text)
-    with pytest.raises(ManifestError, match=f"^{message}"):
-        verdicts.read(workdir, 10)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    verdicts.write(workdir, verdict(20))
+    assert verdicts.load(workdir, 10)[0] is None and verdicts.load(workdir, 10)[1].startswith(damage)
+    with caplog.at_level(logging.WARNING):
+        assert verdicts.read(workdir, 10) is None
+        assert verdicts.newest_reproduced_step(workdir, [10, 20]) == 20
+        assert verdicts.reproduced_steps(workdir, [10]) == []
+        assert sorted(verdicts.read_all(workdir)) == [20]
+    warned = [r.getMessage() for r in caplog.records if "verdict of step 10 is damaged" in r.getMessage()]
+    assert len(warned) == 1 and damage in warned[0], warned
+    assert verdicts.describe(workdir, 10) == "damaged (unproved)"
+    verdicts.write(workdir, verdict(10))  # the verifier rewrites it
+    assert verdicts.read(workdir, 10)["detail"] == "step 10: test"
+    assert verdicts.describe(workdir, 10) == "reproduced pass"
 
 
 @pytest.mark.parametrize("edit, message", [

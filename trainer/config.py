@@ -138,7 +138,18 @@ def check_mesh(mesh: tuple[tuple[str, int], ...], device_count: int) -> None:
     for _, size in mesh:
         total *= size
     if mesh and total != device_count:
-        raise ConfigError(f"--mesh={format_mesh(mesh)} has {total} devices but {device_count} are visible")
+        raise ConfigError(f"--mesh={format_mesh(mesh)} has {total} devices but {device_count} are visible"
+                          + (_fake_devices_hint(total) if total > device_count else ""))
+
+
+def _fake_devices_hint(wanted: int) -> str:
+    """On a CPU-only machine XLA can fake any number of devices: say how (the README's mesh needs 8)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return ""
+    return (f" (on CPU, fake them: XLA_FLAGS=--xla_force_host_platform_device_count={wanted}, set before the "
+            "command)")
 
 
 def validate_workdir(workdir: str) -> None:

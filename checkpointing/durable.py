@@ -1,0 +1,72 @@
+"""Durable writes on local disks: what is reported written survives a power loss.
+
+A rename makes a file appear whole or not at all, but neither the file's bytes nor the rename
+itself are on the disk until they are fsynced. So every write that something else trusts (a
+committed step, a verdict, a lease record) follows one order:
+
+  1. fsync the file (for a step: every file under the step's tmp directory, and each directory);
+  2. rename it into place;
+  3. fsync the parent directory, which makes the rename durable.
+
+Only after step 3 is the write reported (logged, listed by this process, counted, exit 75).
+
+gs:// has no directories and no rename: an object is durable once its upload returns (GCS
+acknowledges a write only after it is stored redundantly), and it appears whole or not at all.
+Orbax commits a gs:// step by writing its commit marker last, so nothing here applies there.
+"""
+
+import os
+import uuid
+
+
+def is_local(path) -> bool:
+    return not str(path).startswith("gs://")
+
+
+def sync_file(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_dir(path) -> None:
+    """fsyncs a directory: its entries (a created, renamed or removed name) reach the disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root) -> None:
+    """fsyncs every file under `root`, then each directory, deepest first, `root` last."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                sync_file(path)
+        sync_dir(directory)
+
+
+def write_text(path, text: str) -> None:
+    """Writes `path` so that readers see the old file or the whole new one, durably: a tmp file in
+    the same directory, fsynced, renamed over `path`, then the directory fsynced. A failed write
+    (a full disk) removes its tmp file."""
+    path = str(path)
+    directory = os.path.dirname(path)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    sync_dir(directory)
