@@ -141,6 +141,22 @@ def test_damage_found_by_a_read_names_the_file(tmp_path):
     assert err.value.path == damaged and len(str(err.value).splitlines()) == 1
 
 
+def test_damage_found_by_the_read_ahead_is_raised_by_the_step_that_needs_it(tmp_path):
+    folder = folder_made(str(tmp_path / "big"))
+    damaged = os.path.join(folder, "train-00000.array_record")
+    records_util.write_file(damaged, range(30000))
+    with open(damaged, "r+b") as f:
+        f.seek(os.path.getsize(damaged) // 2)
+        f.write(b"x" * 64)
+    dataset = data_input.open_records(f"records:{folder}/train-*.array_record", seed=0)
+    sharding = NamedSharding(mesh_of({"data": 8}), P("data"))
+    with data_input.RecordBatches(dataset, 4096, sharding) as batches:
+        with pytest.raises(data_input.RecordFileError) as err:
+            for step in range(8):  # 32768 rows: more than one epoch, so the damaged chunk is read
+                batches(step)
+    assert err.value.path == damaged and len(str(err.value).splitlines()) == 1
+
+
 def folder_made(folder: str) -> str:
     os.makedirs(folder, exist_ok=True)
     return folder
