@@ -80,6 +80,18 @@ def test_a_process_reads_its_devices_rows_once(pattern):
     assert dataset.records_read == batches.steps_read * BATCH
 
 
+def test_the_batch_function_of_a_flag_checks_the_model_sizes(tmp_path):
+    metadata = stdlib_corpus(tmp_path, "corpus")
+    pattern = f"records:{tmp_path}/corpus/train-*.array_record"
+    sharding = NamedSharding(mesh_of({"data": 8}), P("data"))
+    with data_input.record_batches(pattern, 0, BATCH, sharding, seq_len=32, vocab_size=257) as batches:
+        assert batches(0)["tokens"].shape == (BATCH, metadata["tokens_per_record"])
+    with pytest.raises(data_input.DataError, match="--seq_len=16: the records .* hold 33 tokens"):
+        data_input.record_batches(pattern, 0, BATCH, sharding, seq_len=16, vocab_size=257)
+    with pytest.raises(data_input.DataError, match="--vocab_size=64: .* a vocabulary of 257"):
+        data_input.record_batches(pattern, 0, BATCH, sharding, seq_len=32, vocab_size=64)
+
+
 def test_identity_names_the_changed_file_the_missing_file_and_the_seed(tmp_path, pattern):
     recorded = data_input.open_records(f"records:{pattern}", seed=5).identity()
     assert [f["name"] for f in recorded["files"]] == [f"train-{i:05d}.array_record" for i in range(3)]

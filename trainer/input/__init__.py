@@ -11,5 +11,5 @@ See docs/data.md.
 from trainer.input.errors import (CorpusError, DataError, DatasetChangedError, NoRecordFilesError,  # noqa: F401
                                   RecordFileError)
 from trainer.input.order import Order, rows_of_step  # noqa: F401
-from trainer.input.pipeline import RecordBatches, local_row_ranges  # noqa: F401
+from trainer.input.pipeline import RecordBatches, local_row_ranges, record_batches  # noqa: F401
 from trainer.input.records import RecordDataset, check_same, open_records, parse_flag  # noqa: F401

@@ -111,3 +111,20 @@ class RecordBatches:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def record_batches(data: str, seed: int, batch_size: int, sharding: NamedSharding, *, seq_len: int | None = None,
+                   vocab_size: int | None = None, **options) -> RecordBatches:
+    """The batch function of `--data=records:<glob>`, checked against the model's flags at start-up:
+    each record must hold seq_len + 1 tokens, and prepare's vocabulary must fit in vocab_size."""
+    from trainer.input.errors import DataError
+    from trainer.input.records import open_records
+
+    dataset = open_records(data, seed)
+    if seq_len is not None and dataset.record_shape != (seq_len + 1,):
+        raise DataError(f"--seq_len={seq_len}: the records of --data={data} hold {dataset.record_shape[0]} tokens, "
+                        f"examples of --seq_len={dataset.record_shape[0] - 1}")
+    known = (dataset.metadata() or {}).get("vocab_size")
+    if vocab_size is not None and known is not None and known > vocab_size:
+        raise DataError(f"--vocab_size={vocab_size}: the records of --data={data} use a vocabulary of {known}")
+    return RecordBatches(dataset, batch_size, sharding, **options)
