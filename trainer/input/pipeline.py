@@ -87,7 +87,11 @@ class RecordBatches:
         if step != self._next_step:
             self._start(step)
         began = time.perf_counter()
-        rows = next(self._iterator)
+        try:
+            rows = next(self._iterator)
+        except BaseException:
+            self.close()  # the next call starts afresh at its step
+            raise
         self.last_wait_secs = time.perf_counter() - began
         self.wait_secs += self.last_wait_secs
         self._next_step = step + 1
