@@ -1,0 +1,109 @@
+"""prepare's output: fixed-length token sequences in ArrayRecord shards, and metadata.json.
+
+Each record is seq_len + 1 int32 tokens (little-endian): the model reads tokens[:-1] and predicts
+tokens[1:], so a record feeds one example of the trainer's --seq_len. A split's token stream is cut
+into consecutive non-overlapping records; the tail shorter than a record is dropped. Shards are
+`<split>-00000-of-0000N.array_record`, `group_size:1` (Grain reads single records fast).
+
+Nothing is written on bad input: everything is computed and checked first, then written into a
+temporary folder next to --out_dir that is renamed onto it, so --out_dir holds all or nothing.
+"""
+
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import numpy as np
+from absl import logging
+from array_record.python import array_record_module
+
+from trainer.input import corpus as corpus_lib
+from trainer.input.errors import CorpusError
+from trainer.input.records import METADATA, TOKEN_DTYPE
+
+WRITER_OPTIONS = "group_size:1"
+SPLITS = ("train", "eval")
+
+
+def to_records(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    """(n, seq_len + 1) int32: the stream cut into consecutive records."""
+    width = seq_len + 1
+    count = len(stream) // width
+    return np.ascontiguousarray(stream[: count * width].reshape(count, width), dtype=TOKEN_DTYPE)
+
+
+def shard_names(split: str, count: int) -> list[str]:
+    return [f"{split}-{i:05d}-of-{count:05d}.array_record" for i in range(count)]
+
+
+def write_split(folder: str, split: str, records: np.ndarray, records_per_shard: int) -> list[dict]:
+    count = max(1, math.ceil(len(records) / records_per_shard))
+    written = []
+    for i, name in enumerate(shard_names(split, count)):
+        chunk = records[i * records_per_shard:(i + 1) * records_per_shard]
+        writer = array_record_module.ArrayRecordWriter(os.path.join(folder, name), WRITER_OPTIONS)
+        try:
+            for row in chunk:
+                writer.write(row.tobytes())
+        finally:
+            writer.close()
+        written.append({"name": name, "records": len(chunk)})
+    return written
+
+
+def prepare(corpus_dir: str, out_dir: str, seq_len: int, *, tokenizer: str = "bytes", vocab_size: int = 1024,
+            eval_fraction: float = 0.05, suffixes: tuple[str, ...] = (".py",), max_files: int | None = None,
+            max_bytes: int | None = None, records_per_shard: int = 4096) -> dict:
+    """Writes the shards and metadata.json into out_dir (which must not exist or be empty); returns the metadata."""
+    if seq_len < 1:
+        raise CorpusError(f"--seq_len={seq_len}: must be at least 1")
+    if records_per_shard < 1:
+        raise CorpusError(f"--records_per_shard={records_per_shard}: must be at least 1")
+    for name, bound in (("max_files", max_files), ("max_bytes", max_bytes)):
+        if bound is not None and bound < 1:
+            raise CorpusError(f"--{name}={bound}: must be at least 1")
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise CorpusError(f"--out_dir={out_dir}: exists and is not an empty folder")
+    documents, skipped = corpus_lib.read_corpus(corpus_dir, suffixes, max_files, max_bytes)
+    train_docs, eval_docs = corpus_lib.split(documents, eval_fraction)
+    tok = corpus_lib.make_tokenizer(tokenizer, train_docs, vocab_size)
+    records = {"train": to_records(corpus_lib.token_stream(train_docs, tok), seq_len)}
+    if eval_docs:
+        records["eval"] = to_records(corpus_lib.token_stream(eval_docs, tok), seq_len)
+    for split, docs in (("train", train_docs), ("eval", eval_docs)):
+        if split in records and not len(records[split]):
+            raise CorpusError(f"--seq_len={seq_len}: the {split} split ({len(docs)} files) has fewer than "
+                              f"{seq_len + 1} tokens, not one record")
+    metadata = {
+        "tokenizer": tok.name, "vocab_size": int(tok.vocab_size), "eos_id": int(tok.eos_id), "seq_len": seq_len,
+        "tokens_per_record": seq_len + 1, "dtype": "int32",
+        "corpus": {"dir": os.path.abspath(corpus_dir), "files": len(documents), "skipped_not_utf8": skipped,
+                   "bytes": sum(len(d.text.encode()) for d in documents),
+                   "digest": corpus_lib.corpus_digest(documents)},
+        "splits": {},
+    }
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
+    try:
+        for split, rows in records.items():
+            docs = train_docs if split == "train" else eval_docs
+            metadata["splits"][split] = {
+                "glob": f"{split}-*.array_record", "records": len(rows), "source_files": len(docs),
+                "shards": write_split(staging, split, rows, records_per_shard)}
+        if tok.model_bytes() is not None:
+            with open(os.path.join(staging, "tokenizer.model"), "wb") as f:
+                f.write(tok.model_bytes())
+            metadata["tokenizer_model"] = "tokenizer.model"
+        with open(os.path.join(staging, METADATA), "w") as f:
+            json.dump(metadata, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.chmod(staging, 0o755)
+        os.replace(staging, out_dir)  # onto a missing or empty folder: all or nothing
+    finally:
+        if os.path.exists(staging):
+            shutil.rmtree(staging)
+    logging.info("prepared %s: %s", out_dir, {s: v["records"] for s, v in metadata["splits"].items()})
+    return metadata
