@@ -94,8 +94,9 @@ class Saver:
         self._last_saved = start_step  # the newest step saved persistently (or resumed)
         self._last_local: int | None = None
         self.losses = LossRecord(carried_losses, start_step)
+        self._metrics: dict[str, dict[str, float]] = {}  # {step: {name: value}} since the last persistent save
 
-    def on_step(self, step: int, state, loss=None) -> SaveEvent:
+    def on_step(self, step: int, state, loss=None, metrics: dict | None = None) -> SaveEvent:
         now = self._clock()
         self._watchdog.pet(f"step {step + 1}")
         self._service.check_for_errors()
@@ -108,6 +109,8 @@ class Saver:
         self.schedule.step_ended(now - self._last_tick, writing=writing)
         if loss is not None:
             self.losses.add(step - 1, loss)
+        if metrics:
+            self._metrics[str(step)] = {name: float(value) for name, value in metrics.items()}
         if self._preemption.decide(step) and step != self._end_step:
             self._preempt(step, state)  # raises Preempted
         reason, tier = self.schedule.reason(step, final=step == self._end_step), manifest_lib.PERSISTENT
@@ -151,15 +154,15 @@ class Saver:
             self._service.wait_until_finished()
             self._committed(self._clock())
         started = self._clock()
-        self._service.save(step, state, losses=losses, reason=reason, extra=self.schedule.manifest_extra())
+        self._service.save(step, state, losses=losses, reason=reason, extra=self._extra())
+        self._metrics = {}
         self._save_started = started
         self.schedule.save_started(self._clock() - started)
         self._last_saved = step
         self.losses.persisted(step)
 
     def _save_local(self, step: int, state, reason: str) -> None:
-        self._local.save(step, state, losses=self.losses.until(step), reason=reason,
-                         extra=self.schedule.manifest_extra())
+        self._local.save(step, state, losses=self.losses.until(step), reason=reason, extra=self._extra())
         self.schedule.local_saved()
         self._last_local = step
 
@@ -198,6 +201,14 @@ class Saver:
             with self._watchdog.bounded(f"committing the preemption checkpoint of step {step}", left):
                 self._service.wait_until_finished()
         raise Preempted(step)
+
+    def _extra(self) -> dict:
+        """The manifest's `extra`: the schedule's history, and the caller's metrics (eval losses, say)
+        of every step since the last persistent save, as {"<step>": {name: value}}."""
+        extra = self.schedule.manifest_extra()
+        if self._metrics:
+            extra["metrics"] = dict(self._metrics)
+        return extra
 
     def _committed(self, now: float) -> None:
         """The save in flight committed (seen at this step boundary): record its time, adapt."""

@@ -59,3 +59,33 @@ def test_start_up_and_recipes_import_no_jax(module):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def checkpointing_imports(path: pathlib.Path) -> list[str]:
+    """Every name `path` takes from checkpointing: 'name' for a public one, 'module:x' for the rest."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"module:{a.name}" for a in node.names if a.name.startswith("checkpointing")]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "checkpointing":
+                found += [alias.name for alias in node.names]
+            elif node.module.startswith("checkpointing."):
+                found.append(f"module:{node.module}")
+    return found
+
+
+def test_the_trainer_reaches_checkpointing_only_through_its_public_names():
+    """trainer/ uses the service exactly as a user's loop does: `from checkpointing import <public name>`."""
+    import checkpointing
+
+    wrong = [f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "trainer").rglob("*.py"))
+             for name in checkpointing_imports(path) if name not in checkpointing.__all__]
+    assert not wrong, "trainer/ imports checkpointing internals:\n" + "\n".join(wrong)
+    assert all(getattr(checkpointing, name) is not None for name in checkpointing.__all__)
+
+
+def test_the_public_names_check_sees_an_internal_import(tmp_path):
+    source = tmp_path / "probe.py"
+    source.write_text("from checkpointing import Checkpointer, service\nfrom checkpointing.saver import Saver\n")
+    assert checkpointing_imports(source) == ["Checkpointer", "service", "module:checkpointing.saver"]

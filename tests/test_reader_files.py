@@ -11,7 +11,7 @@ import pytest
 
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import committed_steps
+from checkpointing.workdir import committed_steps
 from tests import helpers
 from tests.tamper import RUN
 

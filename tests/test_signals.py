@@ -13,7 +13,7 @@ import time
 import pytest
 
 from checkpointing.errors import one_line_cause
-from checkpointing.service import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, read_manifest
 from launch import pod as pod_lib
 from runtime import exit_codes
 from tests import helpers

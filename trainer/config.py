@@ -14,8 +14,7 @@ import json
 import os
 import tempfile
 
-from checkpointing import workdir as workdir_lib
-from checkpointing.config import CheckpointConfig, ConfigError, check_fields, format_mesh, option
+from checkpointing import CheckpointConfig, ConfigError, check_fields, expand_local_dir, format_mesh, option
 
 MESH_AXES = ("data", "model")
 
@@ -129,7 +128,7 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
         )
     if check_workdir:
         validate_workdir(config.workdir)
-    workdir_lib.expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
+    expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
     return config
 
 

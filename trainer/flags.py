@@ -8,7 +8,7 @@ import dataclasses
 
 from absl import flags
 
-from checkpointing.config import CheckpointConfig, parse_save_every_secs
+from checkpointing import CheckpointConfig, parse_save_every_secs
 from trainer.config import ConfigError, TrainConfig, parse_mesh
 
 COMPILATION_CACHE_DIR = flags.DEFINE_string(

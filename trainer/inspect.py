@@ -15,9 +15,8 @@ import sys
 
 from absl import flags
 
-from checkpointing import plot
-from checkpointing.report import format_table, recorded_losses, table_rows
-from checkpointing.storage import check_workdir
+from checkpointing import (PLOT_FORMATS, check_workdir, draw_plot, format_table, plot_series, recorded_losses,
+                           reference_loss, table_rows)
 from runtime import entry
 
 WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (local path or gs://).")
@@ -32,8 +31,8 @@ def _check_plot_flags() -> None:
         raise ValueError("--reference needs --plot")
     if PLOT.value is None:
         return
-    if not PLOT.value.lower().endswith(plot.FORMATS):
-        raise ValueError(f"--plot={PLOT.value}: the file must end in {' or '.join(plot.FORMATS)}")
+    if not PLOT.value.lower().endswith(PLOT_FORMATS):
+        raise ValueError(f"--plot={PLOT.value}: the file must end in {' or '.join(PLOT_FORMATS)}")
     if LOSSES.value:
         raise ValueError("--plot and --losses are exclusive")
     if not PLOT.value.startswith("gs://"):
@@ -47,8 +46,8 @@ def _check_plot_flags() -> None:
 
 
 def _plot() -> str:
-    reference = plot.reference_loss(REFERENCE.value) if REFERENCE.value else None
-    plot.draw(plot.series(WORKDIR.value), PLOT.value, title=WORKDIR.value, reference=reference)
+    reference = reference_loss(REFERENCE.value) if REFERENCE.value else None
+    draw_plot(plot_series(WORKDIR.value), PLOT.value, title=WORKDIR.value, reference=reference)
     return PLOT.value
 
 

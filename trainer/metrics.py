@@ -20,10 +20,7 @@ import psutil
 from absl import logging
 from etils import epath
 
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
-from checkpointing.errors import one_line_cause
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing import committed_steps, newest_reproduced_step, one_line_cause, read_manifest, tensorboard_dir
 
 PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
 PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")
@@ -53,7 +50,7 @@ class EventWriter:
     """Scalars into TensorBoard event files; the first failure warns once and turns writing off."""
 
     def __init__(self, workdir: str):
-        self._target = workdir_lib.tensorboard_dir(workdir)
+        self._target = tensorboard_dir(workdir)
         self._remote = workdir.startswith("gs://")
         self._writer = None
         self._broken = False
@@ -137,7 +134,7 @@ class RunStatus:
         try:
             steps = committed_steps(self._workdir)
             self.committed = steps[-1] if steps else None
-            self.verified = verdicts.newest_reproduced_step(self._workdir, steps)
+            self.verified = newest_reproduced_step(self._workdir, steps)
         except Exception as err:  # a status line is not worth a crash
             logging.log_every_n_seconds(logging.WARNING, "metrics: cannot read the run's status in %s (%s)", 600,
                                         self._workdir, one_line_cause(err))
