@@ -108,9 +108,10 @@ class Checkpointer:
         """Call after every step, on every process: `step` is the state's step counter (steps done) and
         `loss` the loss of step `step - 1` (a device scalar is fine: it is read only when a save records
         it). `metrics` ({name: number}, e.g. an eval loss measured at `step`) are recorded in the next
-        save's manifest (extra.metrics["<step>"]). Saves when the schedule says; on a preemption saves, waits for the commit and raises
-        Preempted (a SystemExit with code 75). Raises AsyncSaveError if the previous background save
-        failed (the step it wrote is not committed; the one before stays the latest)."""
+        save's manifest (extra.metrics["<step>"]). Saves when the schedule says; on a preemption saves,
+        waits for the commit and raises Preempted (a SystemExit with code 75). Raises AsyncSaveError if
+        the previous background save failed (the step it wrote is not committed; the one before stays
+        the latest)."""
         if self._saver is None:
             raise RuntimeError("Checkpointer.on_step before restore_or_init")
         return self._saver.on_step(step, state, loss, metrics)
