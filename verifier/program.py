@@ -37,8 +37,8 @@ def load(manifest: dict, mesh):
     module_name, _, attribute = reference.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ProgramError(f"program {reference}: cannot import it ({err})") from None
+    except Exception as err:  # a user's module: whatever its import raises names the program
+        raise ProgramError(f"program {reference}: cannot import it ({type(err).__name__}: {err})") from None
     try:
         program = factory(manifest["config"], mesh)
     except Exception as err:  # the recorded config is the run's; anything it makes the factory raise is named
