@@ -46,8 +46,8 @@ class SaveSchedule:
         if resumed_tier is not None:
             self._history["resumed_from"] = {"step": resumed_step, "tier": resumed_tier}
         self.policy = SavePolicy(config.save_every_steps,
-                                 self.auto.interval() if self.auto else config.fixed_save_every_secs)
-        self.local_policy = SavePolicy(config.local_save_every_steps)
+                                 self.auto.interval() if self.auto else config.fixed_save_every_secs, clock=clock)
+        self.local_policy = SavePolicy(config.local_save_every_steps, clock=clock)
         self._warned_deadline = False
         self._check_deadline()
         if self.auto is not None:
