@@ -27,9 +27,7 @@ lease_secs (NTP does). Readers (the verifier, inspect) never take or touch the l
 
 import dataclasses
 import json
-import os
 import secrets
-import socket
 import threading
 import time
 
@@ -37,35 +35,8 @@ from absl import logging
 
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import LeaseLostError, StorageUnavailableError, WorkdirLeasedError, one_line_cause
+from checkpointing.lease_identity import JOB_ID_VARS, Identity, dead_here  # noqa: F401  (JOB_ID_VARS: tests)
 from checkpointing.lease_store import Conflict, open_store, storage_errors
-
-JOB_ID_VARS = ("SLURM_JOB_ID", "JOB_ID")  # the first one set names this process's job
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-    """Who asks for the lease."""
-
-    host: str
-    pid: int
-    job_id: str | None
-    # Boot id and pid namespace: a pid is only meaningful where both match. Containers restarted
-    # on one machine (a JobSet's pod keeps its hostname) see other pids than their predecessors.
-    pid_namespace: str | None = None
-
-    @classmethod
-    def of_this_process(cls) -> "Identity":
-        job_id = next((os.environ[name] for name in JOB_ID_VARS if os.environ.get(name)), None)
-        return cls(socket.gethostname(), os.getpid(), job_id, _pid_namespace())
-
-
-def _pid_namespace() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:  # not Linux: the dead-pid rule never applies
-        return None
-
 
 @dataclasses.dataclass(frozen=True)
 class Record:
@@ -131,27 +102,6 @@ def holder(workdir: str) -> Record | None:
     """The newest lease record of `workdir` (read only), or None."""
     newest = _newest(_store(workdir))
     return newest[1] if newest else None
-
-
-def _pid_gone(pid: int) -> bool:
-    """Whether no process (or only a zombie) has this pid on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # killed, not yet reaped
-    except (OSError, IndexError):
-        return False
-
-
-def _dead_here(record: Record, identity: Identity) -> bool:
-    return (record.host == identity.host and record.pid_namespace is not None
-            and record.pid_namespace == identity.pid_namespace and record.pid != identity.pid
-            and _pid_gone(record.pid))
 
 
 class Lease:
@@ -284,7 +234,7 @@ def _acquire(workdir: str, lease_secs: float, identity: Identity, clock, sleep) 
     deadline = None
     while True:
         newest, now = _newest(store), clock()
-        if newest is None or newest[1].free(now) or _dead_here(newest[1], identity):
+        if newest is None or newest[1].free(now) or dead_here(newest[1], identity):
             if newest is not None and not newest[1].free(now):
                 logging.warning("workdir lease: pid %d on this host held %s and is gone; taking it over",
                                 newest[1].pid, store.where)
