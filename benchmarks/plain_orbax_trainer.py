@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
+from checkpointing import SaveEvent  # noqa: E402
 from checkpointing import workdir as workdir_lib  # noqa: E402
 from runtime import exit_codes  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
@@ -53,19 +54,23 @@ class _Saver:
         self._manager, self._every, self._end = manager, every, end_step
         self.last_saved_step = start_step
 
-    def __call__(self, step: int, state, loss_log):
+    def __call__(self, step: int, state, loss) -> SaveEvent | None:
         if self._manager is None:
-            return state
+            return None
         preempted = jax.process_count() > 1 and self._manager.reached_preemption(step)
         due = step == self._end or (self._every and step % self._every == 0)
+        event = None
         if (due or preempted) and step != self.last_saved_step:
+            started = time.perf_counter()
             self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+            event = SaveEvent(step=step, reason="preemption" if preempted else "interval", tier="persistent",
+                              blocking_secs=time.perf_counter() - started)
             self.last_saved_step = step
         if preempted and step != self._end:
             self._manager.wait_until_finished()
             logging.warning("preempted at step %d; its checkpoint committed", step)
             sys.exit(exit_codes.PREEMPTED)
-        return state
+        return event
 
 
 def train(config, phases: dict[str, float]) -> None:
