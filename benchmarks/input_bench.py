@@ -50,9 +50,11 @@ def measure(pattern: str) -> dict:
         "workdir": tempfile.gettempdir(), "model": "transformer", "mesh": (("data", 8),), "batch_size": _BATCH.value,
         "seq_len": _SEQ_LEN.value, "vocab_size": 257, "hidden_dim": _HIDDEN.value, "num_heads": 4}),
         jax.device_count(), check_workdir=False)
-    program = build_program(config, build_mesh(config))
-    dataset = data_input.open_records(f"records:{pattern}", seed=0)
-    records = data_input.RecordBatches(dataset, config.batch_size, program.batch_sharding)
+    program = build_program(config, build_mesh(config))  # --data=synthetic, the default
+    # The trainer's own choice of batch function for --data=records:<glob> (trainer/program.py).
+    records = build_program(config.replace(data=f"records:{pattern}"), program.mesh).batch_fn
+    assert isinstance(records, data_input.RecordBatches)
+    dataset = records.dataset
     synthetic = lambda step: program.batch_fn(jax.numpy.asarray(step, jax.numpy.int32))  # noqa: E731
     assert records(0)["tokens"].shape == synthetic(0)["tokens"].shape
     out = {"records": dataset.num_records, "batch": {"records": [], "synthetic": []},

@@ -103,3 +103,14 @@ def gcs_env():
     finally:
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def stdlib_corpus(tmp_path_factory):
+    """A small real corpus (tests/test_records_train*.py): trainer.prepare over the first 6 stdlib files,
+    bytes, 32-token examples, ~270 train records in 3 shards (an epoch is ~8 steps of 32) and 84 eval."""
+    from trainer.input import corpus, shards
+
+    out = str(tmp_path_factory.mktemp("corpus") / "stdlib")
+    shards.prepare(corpus.default_corpus_dir(), out, 32, eval_fraction=0.25, max_files=6, records_per_shard=100)
+    return out

@@ -40,6 +40,13 @@ class TrainConfig:
     vocab_size: int = option(64, "transformer: token vocabulary.", minimum=2)
     watchdog_secs: float = option(600.0, "Longest a step, restore or save may block before the process exits 1.",
                                   positive=True)
+    # --- input data and evaluation (docs/data.md; trainer/data.py builds what they name) ---
+    data: str = option("synthetic", "synthetic (the model's own batches) or records:<glob> of ArrayRecord files "
+                                    "written by trainer.prepare (a local path).")
+    eval_data: str = option("", "records:<glob> of the held-out split (prepare's eval-*.array_record); empty: none.")
+    eval_every_steps: int = option(0, "Eval loss over --eval_batches of --eval_data every this many steps; 0: off.",
+                                   minimum=0)
+    eval_batches: int = option(4, "Eval batches: steps 0..k-1 of --eval_data in its own fixed order.", minimum=1)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def mesh_shape(self) -> dict[str, int]:

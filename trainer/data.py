@@ -6,11 +6,18 @@ produced by a jitted function whose output sharding splits the batch axis over '
 device computes only its own rows (JAX's partitionable threefry makes the drawn values
 independent of how the array is split), so no host ever holds, or gathers, the global batch,
 and every mesh sees the same numbers.
+
+`--data=records:<glob>` replaces them with the rows of prepared record files (trainer/input:
+the position is still the step); `open_inputs` opens them, and the eval split, at start-up, and
+`Inputs.recorded()` is the dataset identity every manifest records.
 """
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trainer.config import TrainConfig
@@ -35,3 +42,86 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def make_batch_fn(spec: ModelSpec, config: TrainConfig, mesh: Mesh):
     """step -> global batch array, each device computing only its shard."""
     return jax.jit(functools.partial(synthetic_batch, spec, config), out_shardings=batch_sharding(mesh))
+
+
+# --- record files: --data=records:<glob> (trainer/input, docs/data.md) -------------------------------
+
+SYNTHETIC = "synthetic"
+# Keys the trainer adds to the config it hands the Checkpointer when the data is records: the
+# dataset's identity (recorded in every manifest) and its digest (a field a resume must not change).
+IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY = "data_identity", "eval_data_identity", "data_digest"
+RECORDED_KEYS = (IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What --data and --eval_data name, opened and checked at start-up (before anything is written)."""
+
+    batches: Any = None  # a trainer.input.RecordBatches for --data=records:..., None: synthetic
+    eval_batches: Any = None  # the same over --eval_data, or None
+
+    def recorded(self) -> dict:
+        """The config entries every manifest records ({} for synthetic data)."""
+        if self.batches is None:
+            return {}
+        identity = self.batches.dataset.identity()
+        return {IDENTITY_KEY: identity, DIGEST_KEY: identity["digest"],
+                EVAL_IDENTITY_KEY: self.eval_batches.dataset.identity() if self.eval_batches else None}
+
+    def close(self) -> None:
+        for batches in (self.batches, self.eval_batches):
+            if batches is not None:
+                batches.close()
+
+
+def open_inputs(spec: ModelSpec, config: TrainConfig, mesh: Mesh) -> Inputs:
+    """Opens the record files the config names; a DataError (one line, exit 2) names a bad flag or file."""
+    from trainer import input as data_input
+
+    if config.data != SYNTHETIC and not config.data.startswith(data_input.records.PREFIX):
+        raise data_input.DataError(f"--data={config.data}: expected synthetic or records:<glob>")
+    if config.eval_every_steps and not config.eval_data:
+        raise data_input.DataError(f"--eval_every_steps={config.eval_every_steps} needs --eval_data=records:<glob>")
+    if config.eval_data and config.data == SYNTHETIC:
+        raise data_input.DataError(f"--eval_data={config.eval_data} needs --data=records:<glob> (the train split)")
+    inputs = Inputs()
+    for name in ("data", "eval_data"):
+        value = getattr(config, name)
+        if value and value != SYNTHETIC:
+            batches = data_input.record_batches(value, config.seed, config.batch_size, batch_sharding(mesh),
+                                                seq_len=config.seq_len, vocab_size=config.vocab_size)
+            setattr(inputs, "batches" if name == "data" else "eval_batches", batches)
+            _check_model_reads(spec, config, batches, value)
+    return inputs
+
+
+def _check_model_reads(spec: ModelSpec, config: TrainConfig, batches, value: str) -> None:
+    """The model decides how a batch is used: its own batches must have the records' structure."""
+    from trainer.input import DataError
+
+    own = jax.eval_shape(lambda: spec.synthetic_batch(config, jax.random.key(0)))
+    want = {"tokens": jax.ShapeDtypeStruct(batches.global_shape, jnp.int32)}
+    if jax.tree.map(lambda s: (s.shape, s.dtype), own) != jax.tree.map(lambda s: (s.shape, s.dtype), want):
+        described = {k: f"{v.dtype}{list(v.shape)}" for k, v in own.items()} if isinstance(own, dict) else own
+        raise DataError(f"--model={config.model} reads batches {described}, not the tokens "
+                        f"int32{list(batches.global_shape)} of --data={value} (a token model such as transformer)")
+
+
+def abstract_batch(batch_fn, sharding: NamedSharding):
+    """The global batch of a batch function as ShapeDtypeStructs with the batch sharding."""
+    shapes = batch_fn.abstract() if hasattr(batch_fn, "abstract") else jax.eval_shape(batch_fn, 0)
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes)
+
+
+def check_recorded(recorded: dict, inputs: Inputs, where: str) -> None:
+    """Refuses (DatasetChangedError naming the field or file) data other than a manifest's config recorded."""
+    from trainer.input import DatasetChangedError, check_same
+
+    before = recorded.get(IDENTITY_KEY)
+    now = inputs.batches.dataset.identity() if inputs.batches is not None else None
+    if before is None and now is None:
+        return
+    if before is None or now is None:
+        raise DatasetChangedError(f"data ({where})", "records" if before else SYNTHETIC,
+                                  "records" if now else SYNTHETIC)
+    check_same(before, now)

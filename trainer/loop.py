@@ -8,10 +8,11 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import Checkpointer, format_mesh, metrics_file, one_line_cause
+from checkpointing import Checkpointer, committed_steps, format_mesh, metrics_file, one_line_cause, read_manifest
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
-from trainer import compile_cache, metrics
+from trainer import compile_cache, data, metrics, models
+from trainer.evaluate import Evaluator, Throughput
 from trainer.config import FIXED_FIELDS, TrainConfig
 from trainer.metrics import RunMetrics
 from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program
@@ -75,16 +76,19 @@ def read_metrics(workdir: str) -> dict[int, float]:
     return losses
 
 
-def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog, on_step=None):
+def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog, on_step=None,
+              evaluator: Evaluator | None = None):
     """Runs steps [start_step, end_step); `on_step(steps_done, state, loss)` runs after each (a
     Checkpointer's on_step) and returns a SaveEvent, or None when it did nothing worth reporting.
 
     At the log cadence process 0 logs one progress line and writes its TensorBoard scalars, with the
-    blocking time of the saves the events reported.
+    blocking time of the saves the events reported and the throughput. Every --eval_every_steps the
+    evaluator's numbers are logged and handed to on_step as `metrics` (the next manifest records them).
     """
     config = program.config
     sync_each_step = blocks_each_step(program.mesh)
     tick, tick_step = time.perf_counter(), start_step
+    throughput = Throughput(program)
     hook_secs, save_blocking, commit_secs = 0.0, [], []
     try:
         for step in range(start_step, end_step):
@@ -92,6 +96,7 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             # error under jax.transfer_guard("disallow") (tests/test_loop_transfers.py runs it so).
             with jax.transfer_guard_host_to_device("allow"):
                 batch = program.batch_fn(step)
+            throughput.add_wait()
             state, loss = program.step_fn(state, batch)
             loss_log.add(step, loss)
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
@@ -111,11 +116,15 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                     loss_log.metrics.report(step=done, total=config.steps, losses=fresh,
                                             steps_per_sec=(done - tick_step) / max(now - tick, 1e-9),
                                             step_secs=max(now - tick - hook_secs, 0.0),
-                                            save_blocking_secs=save_blocking, commit_secs=commit_secs)
+                                            save_blocking_secs=save_blocking, commit_secs=commit_secs,
+                                            throughput=throughput.report(done - tick_step, now - tick))
                 tick, tick_step, hook_secs, save_blocking = now, done, 0.0, []
+            evaluated = evaluator.maybe_evaluate(done, state.params) if evaluator is not None else None
+            if evaluated and loss_log.metrics is not None:
+                loss_log.metrics.report_eval(done, evaluated)
             if on_step is not None:
                 hook_start = time.perf_counter()
-                event = on_step(done, state, loss)
+                event = on_step(done, state, loss, metrics=evaluated) if evaluated else on_step(done, state, loss)
                 hook_secs += time.perf_counter() - hook_start
                 if event is not None:
                     commit_secs = list(event.commit_secs)
@@ -140,19 +149,35 @@ def compile_program(program: Program, *, fresh: bool) -> None:
     jit's own cache then holds these executables, so the loop's first calls compile nothing; with
     the persistent compilation cache on, a warm restart loads them from disk instead.
     """
-    program.batch_fn.lower(0).compile()
-    batch = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=program.batch_sharding),
-                         jax.eval_shape(program.batch_fn, 0))
-    program.step_fn.lower(program.abstract_state, batch).compile()
+    if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
+        program.batch_fn.lower(0).compile()
+    program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
     if fresh:
         program.init_fn.lower().compile()
 
 
-def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog) -> Checkpointer:
-    """This run's Checkpointer: its identity is the config (FIXED_FIELDS may not change on a resume),
-    and the verifier replays it with trainer.program:replay_program."""
-    return Checkpointer(config.workdir, config.checkpoint, config=config.to_json(), fixed=FIXED_FIELDS, mesh=mesh,
-                        total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog)
+def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog, inputs: data.Inputs | None = None) -> Checkpointer:
+    """This run's Checkpointer: its identity is the config (FIXED_FIELDS may not change on a resume)
+    with, on record files, the dataset's identity (its digest may not change either), and the
+    verifier replays it with trainer.program:replay_program."""
+    recorded = inputs.recorded() if inputs is not None else {}
+    fixed = FIXED_FIELDS + ((data.DIGEST_KEY,) if recorded else ())
+    return Checkpointer(config.workdir, config.checkpoint, config={**config.to_json(), **recorded}, fixed=fixed,
+                        mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog)
+
+
+def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
+    """A resume reads the files its checkpoints were trained on: DatasetChangedError (exit 2, one line,
+    nothing written) names the first field or file that differs from the newest readable manifest's."""
+    if config.checkpoint.resume_from == "none":
+        return
+    for step in reversed(committed_steps(config.workdir)):
+        try:
+            manifest = read_manifest(config.workdir, step)
+        except Exception:  # an unreadable manifest is the restore's to handle (it falls back past it)
+            continue
+        data.check_recorded(manifest.get("config", {}), inputs, f"step {step}")
+        return
 
 
 def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -> TrainResult:
@@ -165,19 +190,28 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -
     anything is written (a refused trainer leaves the workdir as it was); it is released on every exit.
     """
     mesh = build_mesh(config)
-    watchdog = Watchdog(config.watchdog_secs)
+    # The record files are opened and checked first: a bad glob or file, or other files than the
+    # checkpoints were trained on, is refused before the Checkpointer takes the lease (nothing written).
+    inputs = data.open_inputs(models.resolve(config.model), config, mesh)
+    watchdog = None
     try:
-        with open_checkpointer(config, mesh, watchdog) as checkpointer:
+        if os.path.isdir(config.workdir) or config.workdir.startswith("gs://"):
+            check_resumed_data(config, inputs)
+        watchdog = Watchdog(config.watchdog_secs)
+        with open_checkpointer(config, mesh, watchdog, inputs) as checkpointer:
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
             for name, secs in (startup_phases or {}).items():
                 log_phase(name, secs)
-            return _train(config, mesh, checkpointer, watchdog)
+            return _train(config, mesh, checkpointer, watchdog, inputs)
     finally:
-        watchdog.stop()
+        if watchdog is not None:
+            watchdog.stop()
+        inputs.close()
 
 
-def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watchdog) -> TrainResult:
-    program = build_program(config, mesh)
+def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watchdog,
+           inputs: data.Inputs | None = None) -> TrainResult:
+    program = build_program(config, mesh, inputs)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
@@ -191,7 +225,9 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
     loss_log = LossLog(config.workdir)
     began = time.perf_counter()
     watchdog.pet(f"step {start.step + 1} (compiles the step)")
-    state = run_steps(program, state, start.step, config.steps, loss_log, on_step=checkpointer.on_step)
+    evaluator = Evaluator(program) if config.eval_every_steps else None
+    state = run_steps(program, state, start.step, config.steps, loss_log, on_step=checkpointer.on_step,
+                      evaluator=evaluator)
     jax.block_until_ready(state)
     checkpointer.close()  # waits for the last save to commit (or raises AsyncSaveError)
     elapsed = time.perf_counter() - began

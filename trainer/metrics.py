@@ -155,12 +155,23 @@ def format_eta(secs: float) -> str:
     return f"{secs // 3600}h{secs % 3600 // 60:02d}m" if secs >= 3600 else f"{secs // 60}m{secs % 60:02d}s"
 
 
-def progress_line(step: int, total: int, loss: float, steps_per_sec: float, committed, verified) -> str:
+def progress_line(step: int, total: int, loss: float, steps_per_sec: float, committed, verified,
+                  throughput: dict | None = None) -> str:
     eta = (total - step) / steps_per_sec if steps_per_sec > 0 else float("inf")
     show = lambda s: "-" if s is None else str(s)
-    return (f"step {step} loss {loss:.6f} steps/s {steps_per_sec:.2f} progress {step}/{total} "
+    line = (f"step {step} loss {loss:.6f} steps/s {steps_per_sec:.2f} progress {step}/{total} "
             f"({100.0 * step / max(total, 1):.0f}%) eta {format_eta(eta)} last committed {show(committed)} "
             f"last verified {show(verified)}")
+    if throughput:  # trainer/evaluate.py's Throughput.report
+        line += f" examples/s {throughput['examples_per_sec']:.1f}"
+        if "tokens_per_sec" in throughput:
+            line += f" tokens/s {throughput['tokens_per_sec']:.0f}"
+        line += f" input_wait {1000 * throughput['input_wait_secs']:.2f}ms"
+    return line
+
+
+def eval_line(step: int, values: dict[str, float]) -> str:
+    return f"eval step {step} " + " ".join(f"{name} {value:.6f}" for name, value in values.items())
 
 
 class RunMetrics:
@@ -173,7 +184,8 @@ class RunMetrics:
         self._started = False
 
     def report(self, *, step: int, total: int, losses: dict[int, float], steps_per_sec: float,
-               step_secs: float, save_blocking_secs: list[float], commit_secs: list[float] = ()) -> None:
+               step_secs: float, save_blocking_secs: list[float], commit_secs: list[float] = (),
+               throughput: dict | None = None) -> None:
         if not self._started:
             self._started = True
             self.status.count_preemptions()
@@ -183,7 +195,8 @@ class RunMetrics:
         self._step_secs += step_secs
         self.status.refresh()
         committed, verified = self.status.committed, self.status.verified
-        logging.info("%s", progress_line(step, total, losses[max(losses)], steps_per_sec, committed, verified))
+        logging.info("%s", progress_line(step, total, losses[max(losses)], steps_per_sec, committed, verified,
+                                         throughput))
         for s, loss in losses.items():
             self.events.scalars(s, {"loss": loss})
         values = {"steps_per_sec": steps_per_sec, "goodput_so_far": self._step_secs / max(process_uptime_secs(), 1e-9)}
@@ -191,10 +204,18 @@ class RunMetrics:
             values["save/blocking_secs"] = max(save_blocking_secs)
         if commit_secs:  # the newest save's hand-off to commit, as the Saver measured it
             values["save/commit_secs"] = commit_secs[-1]
+        for name, value in (throughput or {}).items():
+            values[f"input/{name}" if name.startswith("input_") else f"throughput/{name}"] = value
         if committed is not None:
             values["checkpoint/last_committed_step"] = committed
             values["verifier/lag_steps"] = committed - (verified or 0)
         self.events.scalars(step, values)
+        self.events.flush()
+
+    def report_eval(self, step: int, values: dict[str, float]) -> None:
+        """The eval numbers of `step` (trainer/evaluate.py): one log line and eval/<name> scalars."""
+        logging.info("%s", eval_line(step, values))
+        self.events.scalars(step, {f"eval/{name.removeprefix('eval_')}": value for name, value in values.items()})
         self.events.flush()
 
     def close(self) -> None:

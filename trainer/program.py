@@ -40,16 +40,25 @@ class Program:
     batch_fn: Callable[[int], Any]
     loss_rtol: float  # the model's measured cross-layout tolerances (its spec's)
     state_rtol: float
+    abstract_batch: Any = None  # the global batch as ShapeDtypeStructs (batch_sharding)
+    loss_fn: Callable | None = None  # (params, batch) -> scalar loss, unjitted: the eval's
+    inputs: data.Inputs | None = None  # the record files of --data/--eval_data (None: synthetic)
 
 
-def build_program(config: TrainConfig, mesh: Mesh) -> Program:
+def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = None) -> Program:
+    """The program of `config` on `mesh`. `inputs`: the record files already opened (the trainer opens
+    them before its Checkpointer, so bad files change nothing); else they are opened here."""
     spec = models.resolve(config.model)
+    if inputs is None:
+        inputs = data.open_inputs(spec, config, mesh)
     module = spec.make_module(config)
     tx = state_lib.make_optimizer(config)
     init = state_lib.make_init_fn(config, spec, module, tx)
     abstract = jax.eval_shape(init)
     shardings = state_lib.state_shardings(abstract, mesh, spec.partition)
     batch_sharding = data.batch_sharding(mesh)
+    # The position is the step either way: records (trainer/input) or the spec's synthetic draw.
+    batch_fn = inputs.batches if inputs.batches is not None else data.make_batch_fn(spec, config, mesh)
     replicated = NamedSharding(mesh, P())
     # Shardings at the step's boundary: the state comes in and goes out with the same layout
     # (so it can be donated and the next call hits the same executable), the batch is split
@@ -68,15 +77,23 @@ def build_program(config: TrainConfig, mesh: Mesh) -> Program:
         batch_sharding=batch_sharding,
         init_fn=jax.jit(init, out_shardings=shardings),
         step_fn=step_fn,
-        batch_fn=data.make_batch_fn(spec, config, mesh),
+        batch_fn=batch_fn,
         loss_rtol=spec.cross_mesh_loss_rtol,
         state_rtol=spec.cross_mesh_state_rtol,
+        abstract_batch=data.abstract_batch(batch_fn, batch_sharding),
+        loss_fn=functools.partial(spec.loss, module),
+        inputs=inputs,
     )
 
 
 def replay_program(config: dict, mesh: Mesh) -> Program:
     """The program of a run whose manifest recorded `config` (TrainConfig.to_json), on `mesh`: the
-    verifier's. ConfigError names a field the recorded config cannot hold."""
-    recorded = TrainConfig.from_json({**config, "mesh": dict(mesh.shape)})
+    verifier's. ConfigError names a field the recorded config cannot hold; DatasetChangedError the
+    file or field of the recorded dataset identity that the files on disk no longer match."""
+    fields = {k: v for k, v in config.items() if k not in data.RECORDED_KEYS}
+    recorded = TrainConfig.from_json({**fields, "mesh": dict(mesh.shape)})
     recorded = validate(recorded.replace(resume_from="latest", init_from=""), mesh.devices.size, check_workdir=False)
-    return build_program(recorded, mesh)
+    # Replay reads only the train split: the eval batches are not part of a step.
+    inputs = data.open_inputs(models.resolve(recorded.model), recorded.replace(eval_data="", eval_every_steps=0), mesh)
+    data.check_recorded(config, inputs, "recorded in the manifest")
+    return build_program(recorded, mesh, inputs)

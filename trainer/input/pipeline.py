@@ -62,6 +62,10 @@ class RecordBatches:
         """Records this process reads per step (its devices' distinct rows)."""
         return sum(stop - start for start, stop in self.ranges)
 
+    def abstract(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch's shape and dtype, without reading a record."""
+        return {"tokens": jax.ShapeDtypeStruct(self.global_shape, np.int32, sharding=self.sharding)}
+
     def host_rows(self, step: int) -> dict[Range, np.ndarray]:
         """This process's rows of `step`, read from the files: {(start, stop): records}."""
         with self._idle:

@@ -1,4 +1,6 @@
-"""`transformer`: a small decoder-only language model over synthetic arithmetic token sequences."""
+"""`transformer`: a small decoder-only causal language model over {"tokens"} batches: synthetic
+arithmetic sequences, or the records of --data=records:... (each seq_len + 1 tokens: reads
+tokens[:-1], predicts tokens[1:])."""
 
 import flax.linen as nn
 import jax
