@@ -27,7 +27,7 @@ from checkpointing import partial
 from checkpointing import workdir as workdir_lib
 from checkpointing.checks import check_config_matches
 from checkpointing.config import CheckpointConfig
-from checkpointing.errors import (BadCheckpointRequest, CheckpointError, CorruptCheckpointError,
+from checkpointing.errors import (BadCheckpointRequest, CheckpointError, ConfigMismatchError, CorruptCheckpointError,
                                   FingerprintMismatchError, ManifestError, NoSuchCheckpointError)
 from checkpointing.service import CheckpointService, RunMetadata
 from runtime import collective
@@ -73,7 +73,7 @@ def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata)
                 f"--resume_from={step}: newer steps {[s for s in committed if s > step]} exist and would be "
                 "overwritten; resume into a new --workdir")
         candidates = [step]
-    if candidates:
+    if candidates and options.resume_from != "latest_verified":  # that one falls back past a refused step
         try:
             check_config_matches(candidates[0], workdir_lib.read_manifest(workdir, candidates[0]), run)
         except (ManifestError, CorruptCheckpointError):
@@ -166,7 +166,11 @@ def _restore_persistent(options: CheckpointConfig, service: CheckpointService, c
             check_step_counter(step, restored.state)
             if options.resume_from == "latest_verified":
                 _require_proof_of_this_save(service.directory, step, restored.manifest)
-        except (CorruptCheckpointError, FingerprintMismatchError, ManifestError) as err:
+        except (CorruptCheckpointError, FingerprintMismatchError, ManifestError, ConfigMismatchError) as err:
+            # latest_verified falls back past a step saved by another config, down to the oldest one
+            if isinstance(err, ConfigMismatchError) and (options.resume_from != "latest_verified"
+                                                         or index + 1 == len(candidates)):
+                raise
             if len(candidates) == 1 and options.resume_from not in ("latest", "latest_verified"):
                 raise
             logging.error("checkpoint step %d cannot be restored (%s); falling back to %s", step, err,
@@ -194,6 +198,5 @@ def check_step_counter(step: int, state) -> None:
 
 def _require_proof_of_this_save(workdir: str, step: int, manifest: dict) -> None:
     """A verdict proves one save: the step number may have been set aside and saved again since."""
-    verdict = verdicts.read(workdir, step)
-    if not verdicts.is_reproduced(verdict) or verdict.get("manifest_digest") != manifest.get("digest"):
+    if not verdicts.is_reproduced(verdicts.for_save(workdir, step, manifest.get("digest"))):
         raise CorruptCheckpointError(f"step {step}: its reproduced verdict belongs to another save of that step")
