@@ -56,7 +56,8 @@ class Checkpointer:
         self.workdir = str(workdir)
         self.total_steps = total_steps
         run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program)
-        self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run)  # refusals change nothing
+        self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run,  # refusals change nothing
+                                                         total_steps=total_steps)
         self.run = dataclasses.replace(run, init_from=self._init_from())
         self._lease = _acquire_pod_lease(self.workdir, self.options.lease_secs)
         self._owns_watchdog = watchdog is None

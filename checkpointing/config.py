@@ -62,8 +62,9 @@ def parse_save_every_secs(value) -> float | str:
 class CheckpointConfig:
     save_every_steps: int = option(0, "Save when the step is a multiple of this; 0 disables.", minimum=0)
     save_every_secs: float | str = option(
-        0.0, "Also save when this long has passed since the last save; 0 disables; 'auto': the interval "
-        "that maximises goodput (Young/Daly, from measured save costs and interruptions).")
+        AUTO, "Also save when this long has passed since the last save; 0 disables; 'auto' (the default): "
+        "a first save within a minute (--max_save_interval_secs if shorter), then the interval that maximises "
+        "goodput (Young/Daly, from measured save costs and interruptions).")
     max_save_overhead: float = option(0.02, "--save_every_secs=auto: saves cost at most this fraction of the time.",
                                       positive=True, maximum=1)
     max_save_interval_secs: float = option(3600.0, "--save_every_secs=auto: the longest interval between saves.",
@@ -74,6 +75,8 @@ class CheckpointConfig:
     async_save: bool = option(True, "Write checkpoints in the background; the step blocks only for the copy.")
     resume_from: str = option("latest", "latest | latest_verified | none (fresh; refuses a workdir with "
                                         "checkpoints) | STEP (see checkpointing/restore.py).")
+    rollback: bool = option(False, "With --resume_from=STEP: a deliberate rollback; the committed steps newer "
+                                   "than STEP and their verdicts are moved to superseded/ (never deleted).")
     preemption_grace_secs: float = option(60.0, "After a preemption decision the save must commit within this "
                                                 "many seconds, else exit 1.", positive=True)
     local_dir: str = option("", "Each host's own fast storage (RAM disk, local SSD) for the local tier; '{process}' "

@@ -40,6 +40,10 @@ class AsyncSaveError(CheckpointError):
     """A background save failed; the step it was writing never became committed."""
 
 
+class VerificationFailedError(CheckpointError):
+    """The verifier wrote failing verdicts (its exit 1 and last line name the steps)."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A committed step could not be read back (its data is missing or damaged)."""
 

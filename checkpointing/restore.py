@@ -5,12 +5,14 @@
   resume_from=latest_verified  the newest step the verifier *reproduced* (proved from the seed's chain
                                of trust, its verdict naming this save's manifest digest); same fallback;
                                refuses a workdir that has checkpoints but no reproduced step.
-  resume_from=STEP             exactly that step, or exit 2.
+  resume_from=STEP             exactly that step, or exit 2; refused while newer steps exist unless
+                               rollback (--rollback): then they are set aside, as below.
   resume_from=none             fresh, and refuses a workdir that already has checkpoints.
 With a local tier and resume_from=latest, the newest step complete in EVERY host's local tier comes
 first when it is at least the newest persistent step; a local step written by another layout (mesh,
 process count) is skipped with one log line, a damaged one with an error line. A local step is never
 "verified": latest_verified, STEP and none read the persistent tier only.
+A run asked for fewer --steps than the step it would resume is refused (exit 2, nothing changed).
 Committed steps newer than the one resumed (unverified, failed or corrupt) are never deleted: they
 are moved to superseded/ (the workdir's, or each host's local one) so the resumed run can save its
 own steps under those numbers. A fresh start with init_from takes its params from another run's step.
@@ -27,7 +29,7 @@ from checkpointing import partial
 from checkpointing import workdir as workdir_lib
 from checkpointing.checks import check_config_matches
 from checkpointing.config import CheckpointConfig
-from checkpointing.errors import (BadCheckpointRequest, CheckpointError, CorruptCheckpointError,
+from checkpointing.errors import (BadCheckpointRequest, CheckpointError, ConfigMismatchError, CorruptCheckpointError,
                                   FingerprintMismatchError, ManifestError, NoSuchCheckpointError)
 from checkpointing.service import CheckpointService, RunMetadata
 from runtime import collective
@@ -43,13 +45,17 @@ class RestoreResult:
     manifest: dict | None  # the restored step's manifest (read once), None for a fresh init
 
 
-def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata) -> list[int]:
+def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata,
+                      total_steps: int | None = None) -> list[int]:
     """Committed steps to try, in order ([] means start fresh); checked before anything runs.
 
     Reads only the directory listing, the verdicts and one manifest, so a bad request fails
     before any compile, log line or write.
     """
     committed = workdir_lib.committed_steps(workdir)
+    if options.rollback and not options.resume_from.isdigit():
+        raise BadCheckpointRequest(f"--rollback needs --resume_from=STEP (the step to roll back to), "
+                                   f"got --resume_from={options.resume_from}")
     if options.resume_from == "none":
         if committed:
             raise BadCheckpointRequest(f"--resume_from=none but {workdir} already has committed steps {committed}; "
@@ -68,12 +74,15 @@ def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata)
         if step not in committed:
             raise NoSuchCheckpointError(
                 f"--resume_from={step}: not a committed step (committed: {committed or 'none'})")
-        if committed[-1] > step:
+        if committed[-1] > step and not options.rollback:
             raise BadCheckpointRequest(
-                f"--resume_from={step}: newer steps {[s for s in committed if s > step]} exist and would be "
-                "overwritten; resume into a new --workdir")
+                f"--resume_from={step}: newer steps {[s for s in committed if s > step]} exist; to roll back "
+                "to it add --rollback (they move to superseded/ with their verdicts), or resume into a new --workdir")
         candidates = [step]
-    if candidates:
+    if total_steps is not None and candidates and candidates[0] > total_steps:
+        raise BadCheckpointRequest(f"--steps={total_steps}: the run in {workdir} is already at step {candidates[0]}; "
+                                   "nothing changed (give --steps above it to train on)")
+    if candidates and options.resume_from != "latest_verified":  # that one falls back past a refused step
         try:
             check_config_matches(candidates[0], workdir_lib.read_manifest(workdir, candidates[0]), run)
         except (ManifestError, CorruptCheckpointError):
@@ -166,7 +175,11 @@ def _restore_persistent(options: CheckpointConfig, service: CheckpointService, c
             check_step_counter(step, restored.state)
             if options.resume_from == "latest_verified":
                 _require_proof_of_this_save(service.directory, step, restored.manifest)
-        except (CorruptCheckpointError, FingerprintMismatchError, ManifestError) as err:
+        except (CorruptCheckpointError, FingerprintMismatchError, ManifestError, ConfigMismatchError) as err:
+            # latest_verified falls back past a step saved by another config, down to the oldest one
+            if isinstance(err, ConfigMismatchError) and (options.resume_from != "latest_verified"
+                                                         or index + 1 == len(candidates)):
+                raise
             if len(candidates) == 1 and options.resume_from not in ("latest", "latest_verified"):
                 raise
             logging.error("checkpoint step %d cannot be restored (%s); falling back to %s", step, err,
@@ -194,6 +207,5 @@ def check_step_counter(step: int, state) -> None:
 
 def _require_proof_of_this_save(workdir: str, step: int, manifest: dict) -> None:
     """A verdict proves one save: the step number may have been set aside and saved again since."""
-    verdict = verdicts.read(workdir, step)
-    if not verdicts.is_reproduced(verdict) or verdict.get("manifest_digest") != manifest.get("digest"):
+    if not verdicts.is_reproduced(verdicts.for_save(workdir, step, manifest.get("digest"))):
         raise CorruptCheckpointError(f"step {step}: its reproduced verdict belongs to another save of that step")

@@ -15,7 +15,7 @@ from absl import logging
 
 from checkpointing import local_tier
 from checkpointing import manifest as manifest_lib
-from checkpointing.errors import AsyncSaveError
+from checkpointing.errors import AsyncSaveError, one_line_cause
 from checkpointing.schedule import SaveSchedule
 from checkpointing.service import CheckpointService
 from runtime.exit_codes import Preempted
@@ -84,6 +84,7 @@ class Saver:
                  carried_losses: dict[int, float] | None = None, clock=time.perf_counter):
         self._service = service
         self._local = local
+        self._local_failures = 0  # local saves that failed on this host (logged once)
         self.schedule = schedule
         self._end_step = end_step
         self._preemption = preemption
@@ -134,8 +135,8 @@ class Saver:
         if self._local is not None:
             try:
                 self._local.close()
-            except AsyncSaveError as err:
-                logging.error("local tier: %s", err)
+            except (AsyncSaveError, OSError) as err:
+                self._local_failed(err)
 
     def _check_local(self) -> None:
         """A local tier's background failure (a full RAM disk) is one error line on that host: the
@@ -143,8 +144,8 @@ class Saver:
         if self._local is not None:
             try:
                 self._local.check_for_errors()
-            except AsyncSaveError as err:
-                logging.error("local tier: %s; training goes on (no resume will use that step)", err)
+            except (AsyncSaveError, OSError) as err:
+                self._local_failed(err)
 
     def _save(self, step: int, state, reason: str) -> None:
         losses = self.losses.until(step)
@@ -162,16 +163,30 @@ class Saver:
         self.losses.persisted(step)
 
     def _save_local(self, step: int, state, reason: str) -> None:
-        self._local.save(step, state, losses=self.losses.until(step), reason=reason, extra=self._extra())
+        """Starts a local save. Never fatal: Orbax re-raises the previous local write's failure (a full
+        RAM disk) inside this save(), and a failure here is one error line on this host naming the
+        local path; the persistent tier goes on and no resume uses the step (not complete everywhere)."""
+        try:
+            self._local.save(step, state, losses=self.losses.until(step), reason=reason, extra=self._extra())
+        except (AsyncSaveError, OSError) as err:
+            self._local_failed(err)
         self.schedule.local_saved()
         self._last_local = step
+
+    def _local_failed(self, err: Exception) -> None:
+        """One error line per host for a failing local tier, naming its path; never the run's failure."""
+        if not self._local_failures:
+            logging.error("local tier %s: %s; training goes on with the persistent tier (no resume uses a "
+                          "local step that failed; later local failures are not logged)", self._local.directory,
+                          one_line_cause(err))
+        self._local_failures += 1
 
     def _local_committed_everywhere(self, step: int) -> bool:
         """Collective: whether every host committed `step` locally (after waiting for its own save)."""
         try:
             self._local.wait_until_finished()
-        except AsyncSaveError as err:
-            logging.error("local tier: %s", err)
+        except (AsyncSaveError, OSError) as err:
+            self._local_failed(err)
         return step in local_tier.complete_local_steps(self._local)
 
     def _preempt(self, step: int, state) -> None:

@@ -50,6 +50,9 @@ class SaveSchedule:
         self.local_policy = SavePolicy(config.local_save_every_steps, clock=clock)
         self._warned_deadline = False
         self._check_deadline()
+        if collective.is_primary():
+            line = first_save_line(config, resumed_step, self.auto.interval() if self.auto else None)
+            logging.log(logging.WARNING if line.startswith("no save") else logging.INFO, "%s", line)
         if self.auto is not None:
             self._log_interval(first=True)
 
@@ -124,3 +127,19 @@ class SaveSchedule:
                 "SIGTERM would not commit in time, so a preemption will exit without one. Raise the grace period "
                 "(Slurm: --signal=TERM@<secs>; GKE: terminationGracePeriodSeconds) and --preemption_grace_secs "
                 "with it, or save less state", predicted, len(self.commit_secs), self.grace_secs)
+
+
+def first_save_line(config: CheckpointConfig, start_step: int, auto_secs: float | None) -> str:
+    """The start-up line that says when the first persistent save comes."""
+    when = []
+    if config.save_every_steps:
+        when.append(f"at step {(start_step // config.save_every_steps + 1) * config.save_every_steps} "
+                    f"(--save_every_steps={config.save_every_steps})")
+    if auto_secs is not None:
+        when.append(f"within {auto_secs:.0f}s (--save_every_secs=auto; then the interval that maximises goodput)")
+    elif config.fixed_save_every_secs:
+        when.append(f"within {config.fixed_save_every_secs:g}s (--save_every_secs)")
+    if not when:
+        return ("no save before the final step or a preemption (--save_every_steps=0, --save_every_secs=0): "
+                "a crash loses every step of this attempt")
+    return "first checkpoint " + ", or ".join(when) + ", whichever comes first"

@@ -144,6 +144,36 @@ def read_all(workdir: str) -> dict[int, dict]:
     return {step: verdict for step in steps if (verdict := read(workdir, step)) is not None}
 
 
+def digest_on_disk(workdir: str, step: int) -> str | None:
+    """The digest of `step`'s manifest as it is on disk now; None if it has none or cannot be read
+    (a verdict on such a step, written with no digest, still belongs to it)."""
+    try:
+        return workdir_lib.read_manifest(workdir, step).get("digest")
+    except CheckpointError:
+        return None
+
+
+def belongs(verdict: dict | None, digest: str | None) -> bool:
+    """Whether `verdict` is about the save whose manifest digest is `digest` (a step replaced after
+    it was proved keeps a verdict about another save: it counts as none)."""
+    return verdict is not None and verdict.get("manifest_digest") == digest
+
+
+def for_save(workdir: str, step: int, digest: str | None = None) -> dict | None:
+    """The verdict of the save of `step` on disk (its manifest's digest, read unless given), or None:
+    the one check every user of a verdict makes (the verifier, resumes, retention, inspect)."""
+    verdict = read(workdir, step)
+    if verdict is None:
+        return None
+    return verdict if belongs(verdict, digest if digest is not None else digest_on_disk(workdir, step)) else None
+
+
+def current_steps(workdir: str, steps) -> dict[int, dict]:
+    """read_steps(), keeping only the verdicts that belong to the step's save on disk."""
+    return {step: verdict for step, verdict in read_steps(workdir, steps).items()
+            if belongs(verdict, digest_on_disk(workdir, step))}
+
+
 def is_reproduced(verdict: dict | None) -> bool:
     """Whether a verdict proves its step's own state (the only kind a resume or a proof may start from)."""
     return verdict is not None and verdict["level"] == "reproduced" and verdict["status"] == "pass"
@@ -151,8 +181,8 @@ def is_reproduced(verdict: dict | None) -> bool:
 
 def reproduced_steps(workdir: str, among) -> list[int]:
     """Which of the steps `among` (e.g. the committed ones) were reproduced from the seed's chain
-    of trust, ascending."""
-    return [step for step, verdict in read_steps(workdir, among).items() if is_reproduced(verdict)]
+    of trust, ascending; a verdict counts only for the save it names (its manifest digest)."""
+    return [step for step, verdict in current_steps(workdir, among).items() if is_reproduced(verdict)]
 
 
 def newest_reproduced_step(workdir: str, among) -> int | None:
@@ -163,7 +193,11 @@ def newest_reproduced_step(workdir: str, among) -> int | None:
 def describe(workdir: str, step: int) -> str:
     """inspect's verdict column: summary(), or "damaged" when the file cannot be read as a verdict."""
     verdict, damage = load(workdir, step)
-    return "damaged (unproved)" if damage is not None else summary(verdict)
+    if damage is not None:
+        return "damaged (unproved)"
+    if verdict is not None and not belongs(verdict, digest_on_disk(workdir, step)):
+        return "stale: another save (unproved)"
+    return summary(verdict)
 
 
 def summary(verdict: dict | None) -> str:

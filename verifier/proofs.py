@@ -34,6 +34,8 @@ from checkpointing.errors import CheckpointError, FingerprintMismatchError, Tree
 from checkpointing.service import CheckpointService
 from checkpointing.workdir import committed_steps, read_manifest
 from trainer.config import MESH_AXES
+from runtime import collective
+from verifier import identity
 from verifier import program as program_lib
 from verifier import tolerances
 
@@ -78,6 +80,7 @@ class StepProofs:
         self._anchor: Anchor | None = None  # the newest step this process reproduced
         self._copies: dict[str, object] = {}  # fixed_hash -> jitted copy onto the state shardings
         self._mesh = None
+        self._run: dict | None = None  # the manifest naming the run (verifier/identity.py)
 
     def mesh(self):
         """The verifier's own mesh: --mesh over all its devices (data=<devices> by default)."""
@@ -86,6 +89,13 @@ class StepProofs:
             self._mesh = jax.make_mesh(tuple(sizes[name] for name in MESH_AXES), MESH_AXES,
                                        axis_types=(AxisType.Auto,) * len(MESH_AXES))
         return self._mesh
+
+    def run_manifest(self) -> dict | None:
+        """The manifest naming this workdir's run (verifier/identity.py), found once and kept: a
+        retention that deletes that step later does not change which run the workdir holds."""
+        if self._run is None:
+            self._run = identity.run_manifest(self.options.workdir, committed_steps(self.options.workdir))
+        return self._run
 
     def _program_for(self, manifest: dict):
         key = (manifest.get("program"), manifest["fixed_hash"])
@@ -102,6 +112,11 @@ class StepProofs:
         manifest = {}
         try:
             manifest = read_manifest(self.options.workdir, step)
+            problem = identity.difference(step, manifest, self.run_manifest())
+            # Every process restores or none does (a collective): process 0's answer is everyone's.
+            if collective.decided_by_primary(lambda: problem is not None):
+                return self._verdict(step, manifest, "intact", "fail", problem or f"step {step} is not this run's",
+                                     durations), None
             program = self._program_for(manifest)
             state = self._service.restore(step, program.abstract_state).state
         except program_lib.ProgramError as err:
@@ -114,6 +129,9 @@ class StepProofs:
                 return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})",
                                      durations), None
             return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
+        except (KeyError, TypeError, ValueError, AttributeError) as err:  # anything else wrong inside the manifest
+            return self._verdict(step, manifest, "intact", "fail", f"step {step} cannot be proved from its manifest "
+                                 f"({type(err).__name__}: {_first_line(err)})", durations), None
         durations["restore"] = time.perf_counter() - started
         problem = _intact_problem(step, state)
         if problem:
@@ -179,10 +197,12 @@ class StepProofs:
                     return self._anchor
             except CheckpointError as err:  # deleted or damaged since it was proved: start further back
                 logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
-        # The run's init; a run started from another run's step (--init_from) takes that step's params,
-        # checked against their fingerprints and the digest the run recorded.
+        # The run's init (the step's identity is the run's: verifier/identity.py); a run started from
+        # another run's step (--init_from) takes that step's params, checked against their
+        # fingerprints and the digest the run recorded.
+        run = self.run_manifest() or manifest
         return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state,
-                                                    manifest.get("init_from")), fixed_hash)
+                                                    run.get("init_from")), fixed_hash)
 
     def _replay(self, program, state, start_step: int, count: int):
         return program_lib.replay_losses(program, state, start_step, count)
@@ -240,6 +260,10 @@ def _intact_problem(step: int, state) -> compare.Mismatch | None:
         return compare.Mismatch("leaf", bad[0], None, None,
                                 f"leaf {bad[0]} holds NaN or Inf ({len(bad)} leaf(s): {', '.join(bad)})")
     return None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
 
 
 def _init_origin(manifest: dict) -> str:

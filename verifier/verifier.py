@@ -13,6 +13,7 @@ import jax
 from absl import logging
 
 from checkpointing import verdicts
+from checkpointing.errors import CheckpointError
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
@@ -25,9 +26,14 @@ HELD_STATES = 2
 REPLAY_CHUNK_STEPS = 2
 
 
+class Stopped(Exception):
+    """SIGTERM reached the verifier: it stops between replay chunks, writing nothing unfinished."""
+
+
 class Verifier(StepProofs):
-    def __init__(self, options: VerifierOptions):
+    def __init__(self, options: VerifierOptions, stop: threading.Event | None = None):
         super().__init__(options)
+        self._stop = stop or threading.Event()  # set by SIGTERM (verifier/verify.py)
         self._held: dict[int, HeldStep] = {}  # intact steps (verdict written) waiting for their replay
         self._intact_between_chunks = False  # --follow: prove new commits intact during a replay
         self._proving: int | None = None  # the step whose replay is running
@@ -39,11 +45,12 @@ class Verifier(StepProofs):
         """(committed steps without a complete verdict, committed reproduced steps), oldest first.
 
         Reads the verdicts of committed steps only (retention bounds them), never every verdict a
-        long run wrote; a set-aside step's verdict has moved out with it, so a step saved again
-        under its number is pending again.
+        long run wrote; a set-aside step's verdict has moved out with it, and a verdict counts only
+        for the save its manifest digest names, so a step saved again under its number (or replaced
+        after its proof) is pending again and never an anchor.
         """
         committed = committed_steps(self.options.workdir)
-        found = verdicts.read_steps(self.options.workdir, committed)
+        found = verdicts.current_steps(self.options.workdir, committed)  # a replaced step's verdict is none
         pending = [step for step in committed if step not in found or not found[step]["complete"]]
         return pending, [step for step in committed if verdicts.is_reproduced(found.get(step))]
 
@@ -55,8 +62,21 @@ class Verifier(StepProofs):
         for step in [step for step in self._held if step not in planned]:
             del self._held[step]  # deleted or set aside since it was held
         plan = plan[:max_steps]
-        return [verdict for first in range(0, len(plan), HELD_STATES)
-                for verdict in self._prove_together(plan[first:first + HELD_STATES])]
+        written = []
+        try:
+            for first in range(0, len(plan), HELD_STATES):
+                self._check_stop()
+                written += self._prove_together(plan[first:first + HELD_STATES])
+        except Stopped:
+            self._held.clear()
+            logging.warning("verifier stopped (SIGTERM): the replay in progress wrote no verdict")
+        return written
+
+    def _check_stop(self) -> None:
+        """Raises Stopped once SIGTERM arrived; every process stops at the same point (process 0's
+        answer), so no collective restore or replay is left half-entered."""
+        if collective.decided_by_primary(self._stop.is_set):
+            raise Stopped()
 
     def _prove_together(self, plan: list[tuple[int, int | None]]) -> list[dict]:
         """Intact proofs of every step first, each verdict written as soon as it is known, then the
@@ -98,6 +118,7 @@ class Verifier(StepProofs):
         losses = {}
         for first in range(start_step, start_step + count, REPLAY_CHUNK_STEPS):
             steps = min(REPLAY_CHUNK_STEPS, start_step + count - first)
+            self._check_stop()
             state, chunk = program_lib.replay_losses(program, state, first, steps)
             losses.update(chunk)
             if self._intact_between_chunks and first + REPLAY_CHUNK_STEPS < start_step + count:
@@ -126,6 +147,7 @@ class Verifier(StepProofs):
     def follow(self, stop: threading.Event, until_step: int | None = None) -> list[dict]:
         """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
         written, delay = [], self.options.poll_secs
+        self._stop = stop
         self._intact_between_chunks = True
         while not stop.is_set():
             # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
@@ -166,4 +188,7 @@ class Verifier(StepProofs):
         last = committed[-1]
         if until_step is not None:
             return last >= until_step
-        return read_manifest(self.options.workdir, last)["reason"] == "final"
+        try:
+            return read_manifest(self.options.workdir, last)["reason"] == "final"
+        except CheckpointError:  # its failed verdict is written; the run may still commit more: keep following
+            return False

@@ -15,6 +15,7 @@ from absl import flags, logging
 
 from checkpointing import verdicts
 from checkpointing.workdir import committed_steps
+from checkpointing.errors import VerificationFailedError
 from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
 from checkpointing.config import ConfigError
@@ -38,7 +39,8 @@ MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wai
 
 
 def failing_steps(workdir: str) -> list[int]:
-    return [step for step, v in verdicts.read_steps(workdir, committed_steps(workdir)).items() if v["status"] == "fail"]
+    found = verdicts.current_steps(workdir, committed_steps(workdir))
+    return [step for step, verdict in found.items() if verdict["status"] == "fail"]
 
 
 def main(argv: list[str]) -> int:
@@ -53,18 +55,18 @@ def main(argv: list[str]) -> int:
     check_mesh(mesh, jax.device_count())
     options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value)
-    verifier = Verifier(options)
+    # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    verifier = Verifier(options, stop)
     logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
     if ONCE.value:
         verifier.verify_pending()
     else:
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         verifier.follow(stop, until_step=UNTIL_STEP.value)
     failing = failing_steps(WORKDIR.value)
     if failing:
-        logging.error("failing verdicts for steps %s", failing)
-        return exit_codes.FAILURE
+        raise VerificationFailedError(f"failing verdicts for steps {failing}")
     return exit_codes.OK
 
 
