@@ -27,7 +27,7 @@ class CNN(nn.Module):
     def __call__(self, images, train: bool = True):
         x = images
         for i, features in enumerate((self.num_filters, 2 * self.num_filters)):
-            x = nn.Conv(features, (3, 3), strides=(1 + i, 1 + i))(x)
+            x = nn.Conv(features, (3, 3), strides=(1 + i, 1 + i), use_bias=False)(x)  # BatchNorm centres it
             x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
             x = nn.relu(x)
         x = x.mean(axis=(1, 2))

@@ -175,6 +175,9 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
     if check_workdir:
         validate_workdir(config.workdir)
     expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
+    from trainer import program  # builds on this module
+
+    program.check_model(config, spec)  # abstractly: collections, loss, optimizer, nnx
     return config
 
 

@@ -45,7 +45,6 @@ class Program:
 def build_program(config: TrainConfig, mesh: Mesh) -> Program:
     spec = models.resolve(config.model)
     module = spec.make_module(config)
-    models.check_module(spec, module)
     tx = state_lib.make_optimizer(config, spec)
     codec = state_lib.KeyCodec()
     init = state_lib.make_init_fn(config, spec, module, tx, codec)
@@ -57,10 +56,7 @@ def build_program(config: TrainConfig, mesh: Mesh) -> Program:
     # (so it can be donated and the next call hits the same executable), the batch is split
     # over 'data', and the scalar loss is replicated so any process can read it.
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
-    step = functools.partial(step_lib.train_step, functools.partial(spec.loss, module), spec.takes_model_state,
-                             codec, functools.partial(data.step_rng, config),
-                             state_lib.step_learning_rate(config, spec))
-    check_model_state(spec, step, abstract, jax.eval_shape(data.make_batch_fn(spec, config, mesh), 0))
+    step = make_step(config, spec, module, codec)
     step_fn = step_lib.StepFn(jax.jit(
         step,
         in_shardings=(shardings, batch_sharding),
@@ -76,15 +72,29 @@ def build_program(config: TrainConfig, mesh: Mesh) -> Program:
         init_fn=jax.jit(init, out_shardings=shardings),
         step_fn=step_fn,
         batch_fn=data.make_batch_fn(spec, config, mesh),
-        loss_rtol=spec.cross_mesh_loss_rtol,
-        state_rtol=spec.cross_mesh_state_rtol,
+        loss_rtol=spec.tolerances_of(config)[0],
+        state_rtol=spec.tolerances_of(config)[1],
     )
 
 
-def check_model_state(spec, step, abstract, batch) -> None:
-    """A ConfigError naming the collections when the loss returns a model state of another tree than
-    the init's (a collection added, dropped or reshaped would not survive a save)."""
-    out = jax.eval_shape(step, abstract, batch)[0].model_state
+def make_step(config: TrainConfig, spec: models.ModelSpec, module, codec: state_lib.KeyCodec):
+    """(state, batch) -> (state, loss, scalars): the step of trainer/step.py with this run's pieces."""
+    return functools.partial(step_lib.train_step, functools.partial(spec.loss, module), spec.takes_model_state,
+                             codec, functools.partial(data.step_rng, config),
+                             state_lib.step_learning_rate(config, spec))
+
+
+def check_model(config: TrainConfig, spec: models.ModelSpec) -> None:
+    """What a run needs of its model, checked abstractly (no compile, no device work) before anything is
+    written: a module the trainer runs (not nnx), an optimizer, collections it can carry, and a loss that
+    returns the model state it was given. ConfigError naming what is wrong."""
+    module = spec.make_module(config)
+    models.check_module(spec, module)
+    codec = state_lib.KeyCodec()
+    init = state_lib.make_init_fn(config, spec, module, state_lib.make_optimizer(config, spec), codec)
+    abstract = jax.eval_shape(init)
+    batch = jax.eval_shape(lambda: data.synthetic_batch(spec, config, jax.numpy.zeros((), jax.numpy.int32)))
+    out = jax.eval_shape(make_step(config, spec, module, codec), abstract, batch)[0].model_state
     if jax.tree.structure(out) != jax.tree.structure(abstract.model_state) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype)
             for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(abstract.model_state))):

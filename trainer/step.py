@@ -35,7 +35,7 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
         value, grads = jax.value_and_grad(loss)(state.params, batch)
         model_state = state.model_state
     new_state = state.apply_gradients(grads=grads).replace(model_state=model_state)
-    scalars = {"grad_norm": optax.global_norm(grads), "param_norm": optax.global_norm(new_state.params)}
+    scalars = {"grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(new_state.params)}
     if learning_rate is not None:
         scalars["learning_rate"] = learning_rate(state.step)
     return new_state, value, scalars

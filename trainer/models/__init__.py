@@ -111,6 +111,13 @@ class ModelSpec:
     fields: tuple[ModelField, ...] = ()  # the spec's own config fields (flags --<name>)
     # config -> optax.GradientTransformation, replacing the one the trainer's flags build (None: those).
     make_optimizer: Callable[[TrainConfig], Any] | None = None
+    # config -> (loss rtol, state rtol) where they depend on the config (bf16 compute); None: the two above.
+    tolerances: Callable[[TrainConfig], tuple[float, float]] | None = None
+
+    def tolerances_of(self, config: TrainConfig) -> tuple[float, float]:
+        if self.tolerances is None:
+            return self.cross_mesh_loss_rtol, self.cross_mesh_state_rtol
+        return tuple(self.tolerances(config))
 
     @property
     def takes_model_state(self) -> bool:
