@@ -9,7 +9,11 @@ from trainer.config import ConfigError, TrainConfig
 from trainer.models import ModelField, ModelSpec
 
 F32_LOSS_RTOL, F32_STATE_RTOL = 2e-4, 1e-4  # float32 compute: measured, see SPEC
-BF16_LOSS_RTOL = 1e-2  # placeholder until measured below
+# bfloat16 compute, measured over 20 steps on data=8 and data=2/model=4 against data=4/model=2 at the
+# test sizes: loss lists within 1.5e-3 relative; the bound keeps ~10x. The state bound is not yet
+# measured leaf by leaf (the float32 rule x100). Zeroed Adam moments move the loss by only 1.1e-2 within
+# 4 steps here, under this bound: in bf16 the state comparison, not the loss list, catches them.
+BF16_LOSS_RTOL = 1.5e-2
 BF16_STATE_RTOL = 1e-2
 MAX_STRIDE = 8  # sequences count up by 1..MAX_STRIDE-1 tokens, mod the vocabulary
 
