@@ -31,7 +31,7 @@ def parse():
 
 
 def config_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(TrainConfig) if f.name != "checkpoint"] + list(
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in ("checkpoint", "model_fields")] + list(
         dataclasses.fields(CheckpointConfig))
 
 

@@ -47,6 +47,24 @@ class TrainConfig:
     eval_every_steps: int = option(0, "Eval loss over --eval_batches of --eval_data every this many steps; 0: off.",
                                    minimum=0)
     eval_batches: int = option(4, "Eval batches: steps 0..k-1 of --eval_data in its own fixed order.", minimum=1)
+    # --- the optimizer and the model's own fields (issue 19) ---
+    optimizer: str = option("adam", "adam or adamw (decoupled --weight_decay); a spec's make_optimizer replaces it.")
+    weight_decay: float = option(0.0, "adamw: decoupled weight decay (0 off).", minimum=0.0)
+    lr_schedule: str = option("constant", "constant, or warmup_cosine: linear warmup over --warmup_steps to "
+                                          "--learning_rate, then cosine decay to 0 at --lr_decay_steps.")
+    warmup_steps: int = option(0, "warmup_cosine: optimizer updates of linear warmup.", minimum=0)
+    lr_decay_steps: int = option(0, "warmup_cosine: updates until the rate reaches 0; 0: --steps divided by "
+                                    "--grad_accum_steps, fixed when the run starts.", minimum=0)
+    grad_clip_norm: float = option(0.0, "Clip gradients to this global norm before the update (0 off).",
+                                   minimum=0.0)
+    grad_accum_steps: int = option(1, "Accumulate gradients over this many steps per update (optax.MultiSteps; "
+                                      "1 off); the accumulators are state.", minimum=1)
+    refuse_code_change: bool = option(False, "Refuse (exit 2) to resume a run whose newest checkpoint was computed "
+                                             "by other code (spec source, git commit, version); else warn.")
+    # The model spec's own fields (trainer.models.ModelField) as ((name, value), ...), every one of the
+    # spec's present; flags and manifests see them flat, like the checkpoint fields.
+    model_fields: tuple = dataclasses.field(default=(), metadata={"help": "the model spec's own fields"})
+    # --- end of the optimizer and model fields ---
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def mesh_shape(self) -> dict[str, int]:
@@ -55,8 +73,15 @@ class TrainConfig:
         sizes.update(dict(self.mesh))
         return sizes
 
+    def fixed_names(self) -> tuple[str, ...]:
+        """FIXED_FIELDS and the model spec's fixed fields: the names the Checkpointer hashes."""
+        from trainer import models  # the model registry imports this module for TrainConfig
+
+        return FIXED_FIELDS + tuple(f.name for f in models.resolve(self.model).fields if f.fixed)
+
     def fixed_fields(self) -> dict:
-        return {name: getattr(self, name) for name in FIXED_FIELDS}
+        flat = self.to_json()
+        return {name: flat[name] for name in self.fixed_names()}
 
     def fixed_hash(self) -> str:
         """A stable hash of the fields a resume must not change."""
@@ -65,20 +90,34 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         """Flat, as every manifest has recorded it: the checkpoint fields beside the others."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "checkpoint"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("checkpoint", "model_fields")}
         fields["mesh"] = dict(self.mesh)
-        return {**fields, **dataclasses.asdict(self.checkpoint)}
+        return {**fields, **dict(self.model_fields), **dataclasses.asdict(self.checkpoint)}
 
     @classmethod
     def from_flat(cls, fields: dict) -> "TrainConfig":
-        """A config from one flat namespace of field names (flags, a manifest); unknown names are an error."""
-        own = {f.name for f in dataclasses.fields(cls)} - {"checkpoint"}
+        """A config from one flat namespace of field names (flags, a manifest); unknown names are an error.
+
+        The model spec's own fields (named flat, like any other) are collected into `model_fields`, each
+        missing one at its default; CODE_FIELD (what computed a manifest) is identity, not config."""
+        from trainer import models  # the model registry imports this module for TrainConfig
+
+        own = {f.name for f in dataclasses.fields(cls)} - {"checkpoint", "model_fields"}
         theirs = {f.name for f in dataclasses.fields(CheckpointConfig)}
-        unknown = sorted(set(fields) - own - theirs)
+        spec_fields = models.resolve(fields.get("model", "mlp")).fields
+        names = {f.name for f in spec_fields}
+        unknown = sorted(set(fields) - own - theirs - names - {CODE_FIELD, "model_fields"})
         if unknown:
             raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+        given = dict(fields.get("model_fields", ()))
+        model_fields = tuple((f.name, fields.get(f.name, given.get(f.name, f.default))) for f in spec_fields)
         checkpoint = CheckpointConfig(**{k: v for k, v in fields.items() if k in theirs})
-        return cls(**{k: v for k, v in fields.items() if k in own}, checkpoint=checkpoint)
+        return cls(**{k: v for k, v in fields.items() if k in own}, model_fields=model_fields, checkpoint=checkpoint)
+
+    def model_field(self, name: str):
+        """The value of the model spec's own field `name` (trainer.models.ModelField)."""
+        return dict(self.model_fields)[name]
 
     @classmethod
     def from_json(cls, fields: dict) -> "TrainConfig":
@@ -95,7 +134,12 @@ class TrainConfig:
 FIXED_FIELDS = (
     "model", "batch_size", "learning_rate", "seed", "input_dim", "hidden_dim", "num_layers",
     "num_heads", "seq_len", "vocab_size",
+    "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "lr_decay_steps", "grad_clip_norm",
+    "grad_accum_steps",
 )
+CODE_FIELD = "code"  # the Checkpointer's config dict records what computed each manifest here (trainer/code.py)
+OPTIMIZERS = ("adam", "adamw")
+LR_SCHEDULES = ("constant", "warmup_cosine")
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -124,7 +168,9 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
 
     check_fields(config)
     config = dataclasses.replace(config, checkpoint=config.checkpoint.validated())
-    models.resolve(config.model).check_config(config)
+    spec = models.resolve(config.model)
+    config = check_training_fields(config, spec)
+    spec.check_config(config)
     if not config.mesh:
         config = dataclasses.replace(config, mesh=(("data", device_count),))
     check_mesh(config.mesh, device_count)
@@ -136,6 +182,28 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
     if check_workdir:
         validate_workdir(config.workdir)
     expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
+    from trainer import program  # builds on this module
+
+    program.check_model(config, spec)  # abstractly: collections, loss, optimizer, nnx
+    return config
+
+
+def check_training_fields(config: TrainConfig, spec) -> TrainConfig:
+    """The optimizer's fields and the spec's own (type, choices, bounds); returns the config with
+    --lr_decay_steps filled in. A ConfigError names the flag."""
+    if config.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer={config.optimizer}: must be one of {', '.join(OPTIMIZERS)}")
+    if config.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(f"--lr_schedule={config.lr_schedule}: must be one of {', '.join(LR_SCHEDULES)}")
+    if config.weight_decay and config.optimizer != "adamw":
+        raise ConfigError(f"--weight_decay={config.weight_decay} needs --optimizer=adamw")
+    if config.lr_schedule == "warmup_cosine" and not config.lr_decay_steps:
+        config = dataclasses.replace(config, lr_decay_steps=max(config.steps // config.grad_accum_steps, 1))
+    if config.lr_schedule == "warmup_cosine" and config.warmup_steps >= config.lr_decay_steps:
+        raise ConfigError(f"--warmup_steps={config.warmup_steps} must be below --lr_decay_steps="
+                          f"{config.lr_decay_steps}")
+    for field in spec.fields:
+        field.check(config.model_field(field.name))
     return config
 
 

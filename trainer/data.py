@@ -29,6 +29,12 @@ def data_key(config: TrainConfig) -> jax.Array:
     return jax.random.fold_in(jax.random.key(config.seed), 1)
 
 
+def step_rng(config: TrainConfig, step: jax.Array) -> jax.Array:
+    """The loss's rng of `step` (dropout): fold_in(fold_in(key(seed), 2), step), like the batch key;
+    stateless, so every mesh and every restart draws the same masks."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), 2), step)
+
+
 def synthetic_batch(spec: ModelSpec, config: TrainConfig, step: jax.Array) -> dict[str, jax.Array]:
     """The global batch of `step`: same values on every mesh and every restart."""
     return spec.synthetic_batch(config, jax.random.fold_in(data_key(config), step))

@@ -38,6 +38,9 @@ class Evaluator:
         source.close()
         self.is_lm = tokens_per_example(program.abstract_batch) is not None
         loss_fn = program.loss_fn
+        if loss_fn is None:
+            raise ValueError(f"--eval_every_steps={self.every_steps}: the model's loss carries model state "
+                             "(BatchNorm, dropout); evaluation supports losses of (params, batch) only")
 
         def mean_loss(params, batches):
             return jnp.mean(jnp.stack([loss_fn(params, batch) for batch in batches]))

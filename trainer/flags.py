@@ -2,9 +2,14 @@
 the field (trainer/config.py, checkpointing/config.py), and `config_from_flags` is the one place the
 parsed flags become a TrainConfig. Only the trainer imports this module: the verifier and inspect
 define their own flags, so a trainer flag given to them is an error, not silently ignored.
+
+A model spec's own fields (trainer.models.ModelField) are flags too, --<name>: absl parses once, so
+the spec is resolved from the command line's --model before parsing (`define_model_flags`, called at
+import with sys.argv); a --model that does not resolve defines nothing and is refused by validate.
 """
 
 import dataclasses
+import sys
 
 from absl import flags
 
@@ -23,7 +28,7 @@ _DEFINE_BY_TYPE = {bool: flags.DEFINE_boolean, int: flags.DEFINE_integer, float:
 
 
 def _config_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(TrainConfig) if f.name != "checkpoint"] + list(
+    return [f for f in dataclasses.fields(TrainConfig) if f.name not in ("checkpoint", "model_fields")] + list(
         dataclasses.fields(CheckpointConfig))
 
 
@@ -38,13 +43,47 @@ def _define(field: dataclasses.Field) -> flags.FlagHolder:
 
 
 _FLAGS = {field.name: _define(field) for field in _config_fields()}
+_MODEL_FLAGS: dict[str, flags.FlagHolder] = {}
+
+
+def model_from_argv(argv: list[str]) -> str:
+    """The --model value a command line gives (the last one wins), or the field's default."""
+    model = TrainConfig.model
+    for i, arg in enumerate(argv):
+        if arg.startswith("--model="):
+            model = arg.split("=", 1)[1]
+        elif arg == "--model" and i + 1 < len(argv):
+            model = argv[i + 1]
+    return model
+
+
+def define_model_flags(argv: list[str]) -> None:
+    """Defines --<name> for each field of the spec the command line's --model names (once per name)."""
+    from trainer import models
+
+    try:
+        spec = models.resolve(model_from_argv(argv))
+    except ConfigError:  # validate refuses it with its one line
+        return
+    for field in spec.fields:
+        if field.name not in _MODEL_FLAGS and field.name not in flags.FLAGS:
+            help_text = field.help + (f" ({', '.join(map(str, field.choices))})" if field.choices else "")
+            _MODEL_FLAGS[field.name] = _DEFINE_BY_TYPE[field.type](field.name, field.default,
+                                                                   f"{spec.name}: {help_text}")
+
+
+define_model_flags(sys.argv)
 
 
 def config_from_flags() -> TrainConfig:
     """The TrainConfig the parsed flags describe (not yet checked against itself or the devices)."""
     if not _FLAGS["workdir"].value:
         raise ConfigError("--workdir is required")
+    from trainer import models
+
     values = {name: flag.value for name, flag in _FLAGS.items()}
+    spec_names = {field.name for field in models.resolve(values["model"]).fields}
+    values.update({name: flag.value for name, flag in _MODEL_FLAGS.items() if name in spec_names})
     values["mesh"] = parse_mesh(values["mesh"])
     values["save_every_secs"] = parse_save_every_secs(values["save_every_secs"])
     return TrainConfig.from_flat(values)

@@ -11,9 +11,10 @@ from absl import logging
 from checkpointing import Checkpointer, committed_steps, format_mesh, metrics_file, one_line_cause, read_manifest
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
+from trainer import code as code_lib
 from trainer import compile_cache, data, metrics, models
 from trainer.evaluate import Evaluator, Throughput
-from trainer.config import FIXED_FIELDS, TrainConfig
+from trainer.config import CODE_FIELD, TrainConfig
 from trainer.metrics import RunMetrics
 from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program
 
@@ -29,24 +30,27 @@ class LossLog:
     """Per-step losses kept on device until the log cadence, then pulled in one transfer."""
 
     def __init__(self, workdir: str):
-        self._pending: list[tuple[int, jax.Array]] = []
+        self._pending: list[tuple[int, jax.Array, dict]] = []
         self.losses: dict[int, float] = {}
+        self.scalars: dict[int, dict[str, float]] = {}  # the step's grad_norm, param_norm, learning_rate
         self._metrics_path = metrics_file(workdir) if jax.process_index() == 0 else None
         self.metrics = RunMetrics(workdir) if jax.process_index() == 0 else None  # TensorBoard + progress
 
-    def add(self, step: int, loss: jax.Array) -> None:
-        self._pending.append((step, loss))
+    def add(self, step: int, loss: jax.Array, scalars: dict | None = None) -> None:
+        self._pending.append((step, loss, scalars or {}))
 
     def flush(self) -> dict[int, float]:
         """Pulls pending losses to the host (one sync) and appends them to the metrics file."""
         if not self._pending:
             return {}
-        values = jax.device_get([loss for _, loss in self._pending])
-        fresh = {step: float(value) for (step, _), value in zip(self._pending, values)}
+        values, scalars = jax.device_get(([loss for _, loss, _ in self._pending], [s for _, _, s in self._pending]))
+        fresh = {step: float(value) for (step, _, _), value in zip(self._pending, values)}
+        self.scalars = {step: {k: float(v) for k, v in s.items()} for (step, _, _), s in zip(self._pending, scalars)}
         self._pending.clear()
         self.losses.update(fresh)
         if self._metrics_path and not self._metrics_path.startswith("gs://"):
-            data = "".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in fresh.items()).encode()
+            data = "".join(json.dumps({"step": s, "loss": v, **self.scalars[s]}) + "\n"
+                           for s, v in fresh.items()).encode()
             try:
                 with open(self._metrics_path, "ab", buffering=0) as f:
                     start = f.seek(0, os.SEEK_END)
@@ -97,8 +101,8 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             with jax.transfer_guard_host_to_device("allow"):
                 batch = program.batch_fn(step)
             throughput.add_wait()
-            state, loss = program.step_fn(state, batch)
-            loss_log.add(step, loss)
+            state, loss, scalars = program.step_fn.with_scalars(state, batch)
+            loss_log.add(step, loss, scalars)
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
                 loss.block_until_ready()
                 log_phase("first_step", time.perf_counter() - tick)
@@ -117,7 +121,8 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                                             steps_per_sec=(done - tick_step) / max(now - tick, 1e-9),
                                             step_secs=max(now - tick - hook_secs, 0.0),
                                             save_blocking_secs=save_blocking, commit_secs=commit_secs,
-                                            throughput=throughput.report(done - tick_step, now - tick))
+                                            throughput=throughput.report(done - tick_step, now - tick),
+                                            scalars=loss_log.scalars)
                 tick, tick_step, hook_secs, save_blocking = now, done, 0.0, []
             evaluated = evaluator.maybe_evaluate(done, state.params) if evaluator is not None else None
             if evaluated and loss_log.metrics is not None:
@@ -157,12 +162,14 @@ def compile_program(program: Program, *, fresh: bool) -> None:
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog, inputs: data.Inputs | None = None) -> Checkpointer:
-    """This run's Checkpointer: its identity is the config (FIXED_FIELDS may not change on a resume)
-    with, on record files, the dataset's identity (its digest may not change either), and the
-    verifier replays it with trainer.program:replay_program."""
+    """This run's Checkpointer: its identity is the config (its fixed names may not change on a resume)
+    with, on record files, the dataset's identity (its digest may not change either), and the code that
+    computes it (config["code"], trainer/code.py); the verifier replays it with
+    trainer.program:replay_program."""
     recorded = inputs.recorded() if inputs is not None else {}
-    fixed = FIXED_FIELDS + ((data.DIGEST_KEY,) if recorded else ())
-    return Checkpointer(config.workdir, config.checkpoint, config={**config.to_json(), **recorded}, fixed=fixed,
+    fixed = tuple(config.fixed_names()) + ((data.DIGEST_KEY,) if recorded else ())
+    identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config)}
+    return Checkpointer(config.workdir, config.checkpoint, config=identity, fixed=fixed,
                         mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog)
 
 
@@ -178,6 +185,21 @@ def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
             continue
         data.check_recorded(manifest.get("config", {}), inputs, f"step {step}")
         return
+
+
+def resumed_code(config: TrainConfig) -> dict:
+    """This process's code identity, checked against the newest committed manifest's (one warning line
+    naming what changed; a ConfigError under --refuse_code_change)."""
+    current = code_lib.identity(config)
+    try:
+        steps = committed_steps(config.workdir)
+        previous = read_manifest(config.workdir, steps[-1])["config"] if steps else None
+    except Exception:  # noqa: BLE001  an unreadable workdir is the Checkpointer's to report, with its own line
+        return current
+    recorded = code_lib.check_resume(config, previous, current)
+    if "changed_from" in recorded and jax.process_index() == 0:
+        logging.warning("code changed since step %d: %s", steps[-1], "; ".join(recorded["changed_from"]))
+    return recorded
 
 
 def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -> TrainResult:

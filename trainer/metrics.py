@@ -185,7 +185,7 @@ class RunMetrics:
 
     def report(self, *, step: int, total: int, losses: dict[int, float], steps_per_sec: float,
                step_secs: float, save_blocking_secs: list[float], commit_secs: list[float] = (),
-               throughput: dict | None = None) -> None:
+               throughput: dict | None = None, scalars: dict[int, dict[str, float]] | None = None) -> None:
         if not self._started:
             self._started = True
             self.status.count_preemptions()
@@ -195,10 +195,12 @@ class RunMetrics:
         self._step_secs += step_secs
         self.status.refresh()
         committed, verified = self.status.committed, self.status.verified
-        logging.info("%s", progress_line(step, total, losses[max(losses)], steps_per_sec, committed, verified,
-                                         throughput))
+        newest = (scalars or {}).get(max(losses), {})  # the step's grad_norm, param_norm, learning_rate
+        logging.info("%s%s", progress_line(step, total, losses[max(losses)], steps_per_sec, committed, verified,
+                                           throughput),
+                     "".join(f" {name} {value:.4g}" for name, value in sorted(newest.items())))
         for s, loss in losses.items():
-            self.events.scalars(s, {"loss": loss})
+            self.events.scalars(s, {"loss": loss, **(scalars or {}).get(s, {})})
         values = {"steps_per_sec": steps_per_sec, "goodput_so_far": self._step_secs / max(process_uptime_secs(), 1e-9)}
         if save_blocking_secs:
             values["save/blocking_secs"] = max(save_blocking_secs)

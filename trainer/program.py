@@ -15,7 +15,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from trainer import data, models, state as state_lib, step as step_lib
-from trainer.config import MESH_AXES, TrainConfig, validate
+from trainer.config import MESH_AXES, ConfigError, TrainConfig, validate
 
 REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
 
@@ -36,7 +36,7 @@ class Program:
     state_shardings: state_lib.TrainState
     batch_sharding: NamedSharding
     init_fn: Callable[[], state_lib.TrainState]
-    step_fn: Callable[[state_lib.TrainState, Any], tuple[state_lib.TrainState, jax.Array]]
+    step_fn: step_lib.StepFn  # (state, batch) -> (state, loss); .with_scalars adds {name: scalar}
     batch_fn: Callable[[int], Any]
     loss_rtol: float  # the model's measured cross-layout tolerances (its spec's)
     state_rtol: float
@@ -52,8 +52,9 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     if inputs is None:
         inputs = data.open_inputs(spec, config, mesh)
     module = spec.make_module(config)
-    tx = state_lib.make_optimizer(config)
-    init = state_lib.make_init_fn(config, spec, module, tx)
+    tx = state_lib.make_optimizer(config, spec)
+    codec = state_lib.KeyCodec()
+    init = state_lib.make_init_fn(config, spec, module, tx, codec)
     abstract = jax.eval_shape(init)
     shardings = state_lib.state_shardings(abstract, mesh, spec.partition)
     batch_sharding = data.batch_sharding(mesh)
@@ -63,12 +64,14 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # Shardings at the step's boundary: the state comes in and goes out with the same layout
     # (so it can be donated and the next call hits the same executable), the batch is split
     # over 'data', and the scalar loss is replicated so any process can read it.
-    step_fn = jax.jit(
-        functools.partial(step_lib.train_step, functools.partial(spec.loss, module)),
+    # The scalars (gradient and parameter norms, learning rate) come out replicated too.
+    step = make_step(config, spec, module, codec)
+    step_fn = step_lib.StepFn(jax.jit(
+        step,
         in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, replicated),
+        out_shardings=(shardings, replicated, replicated),
         donate_argnums=0,
-    )
+    ))
     return Program(
         config=config,
         mesh=mesh,
@@ -78,12 +81,39 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
         init_fn=jax.jit(init, out_shardings=shardings),
         step_fn=step_fn,
         batch_fn=batch_fn,
-        loss_rtol=spec.cross_mesh_loss_rtol,
-        state_rtol=spec.cross_mesh_state_rtol,
+        loss_rtol=spec.tolerances_of(config)[0],
+        state_rtol=spec.tolerances_of(config)[1],
         abstract_batch=data.abstract_batch(batch_fn, batch_sharding),
-        loss_fn=functools.partial(spec.loss, module),
+        # The eval's loss: (params, batch) -> scalar, for specs whose loss takes no model state.
+        loss_fn=None if spec.takes_model_state else functools.partial(spec.loss, module),
         inputs=inputs,
     )
+
+
+def make_step(config: TrainConfig, spec: models.ModelSpec, module, codec: state_lib.KeyCodec):
+    """(state, batch) -> (state, loss, scalars): the step of trainer/step.py with this run's pieces."""
+    return functools.partial(step_lib.train_step, functools.partial(spec.loss, module), spec.takes_model_state,
+                             codec, functools.partial(data.step_rng, config),
+                             state_lib.step_learning_rate(config, spec))
+
+
+def check_model(config: TrainConfig, spec: models.ModelSpec) -> None:
+    """What a run needs of its model, checked abstractly (no compile, no device work) before anything is
+    written: a module the trainer runs (not nnx), an optimizer, collections it can carry, and a loss that
+    returns the model state it was given. ConfigError naming what is wrong."""
+    module = spec.make_module(config)
+    models.check_module(spec, module)
+    codec = state_lib.KeyCodec()
+    init = state_lib.make_init_fn(config, spec, module, state_lib.make_optimizer(config, spec), codec)
+    abstract = jax.eval_shape(init)
+    batch = jax.eval_shape(lambda: data.synthetic_batch(spec, config, jax.numpy.zeros((), jax.numpy.int32)))
+    out = jax.eval_shape(make_step(config, spec, module, codec), abstract, batch)[0].model_state
+    if jax.tree.structure(out) != jax.tree.structure(abstract.model_state) or any(
+            (a.shape, a.dtype) != (b.shape, b.dtype)
+            for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(abstract.model_state))):
+        raise ConfigError(f"model {spec.name!r}: its loss returns model state {sorted(dict(out))} unlike the "
+                          f"init's {sorted(dict(abstract.model_state))} (same collections, shapes and dtypes "
+                          "are needed to carry it)")
 
 
 def replay_program(config: dict, mesh: Mesh) -> Program:

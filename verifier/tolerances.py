@@ -21,9 +21,13 @@ from checkpointing.compare import leaf_differences
 NOISE_RATIO = 1e-5  # RMS of a leaf's Adam mu below this fraction of the largest: noise-driven
 NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device meshes
 
-# .params[...], .opt_state[0].mu[...] and .opt_state[0].nu[...] of one parameter share a suffix.
-_PARAM_LEAF = re.compile(r"^\.(?:params|opt_state\[\d+\]\.(?:mu|nu))(\[.*)$")
-_FIRST_MOMENT = re.compile(r"^\.opt_state\[\d+\]\.mu(\[.*)$")
+# .params[...] and its optimizer leaves share a suffix: .opt_state[0].mu[...], .nu[...], and under a
+# chain (clipping) or optax.MultiSteps (accumulation) .opt_state.inner_opt_state[1][0].mu[...] and
+# .opt_state.acc_grads[...]. The model state (.model_state['batch_stats'][...]) is a float leaf like any
+# other; integer leaves (the step, counts, MultiSteps' mini_step, a stored key's words) are exact.
+_OPT_PATH = r"opt_state(?:\.\w+|\[\d+\])*?"
+_PARAM_LEAF = re.compile(rf"^\.(?:params|{_OPT_PATH}\.(?:mu|nu|acc_grads))(\[.*)$")
+_FIRST_MOMENT = re.compile(rf"^\.{_OPT_PATH}\.mu(\[.*)$")
 
 
 def same_layout(mesh_shape: dict, process_count: int, manifest: dict) -> bool:

@@ -13,10 +13,18 @@ What a spec must honour for a run to resume and verify on any mesh:
 - `partition` decides a leaf's layout from its shape alone, so a parameter and its two Adam
   moments always share one.
 - the tolerances are measured: run the model on two meshes and keep a ~10x margin over the spread.
+
+The loss is `loss(module, params, model_state, batch, rng) -> (loss, new_model_state)`: model_state
+holds every collection the init returned besides params (BatchNorm's batch_stats), rng is the step's
+own key (trainer/data.py's step_rng: fold_in of the seed and the step, never state). The older
+`loss(module, params, batch) -> loss` still works for a model whose init returns params alone.
+A spec may declare its own config fields (`fields`: ModelField, each a flag --<name>, validated,
+recorded in every manifest, hashed when fixed) and its own optimizer (`make_optimizer`).
 """
 
 import dataclasses
 import importlib
+import inspect
 from typing import Any, Callable
 
 from jax.sharding import PartitionSpec as P
@@ -43,6 +51,48 @@ def accept_any_config(config: TrainConfig) -> None:
     """The default `check_config`: the model takes any config the trainer accepts."""
 
 
+FIELD_TYPES = (bool, int, float, str)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelField:
+    """One of a spec's own config fields: the flag --<name>, validated, recorded in every manifest,
+    and (fixed=True) hashed with the fields a resume must not change."""
+
+    name: str
+    type: type  # bool, int, float or str
+    default: Any
+    help: str
+    minimum: float | None = None  # inclusive bounds of a number
+    maximum: float | None = None
+    choices: tuple = ()  # the values a str (or number) may take; () any
+    fixed: bool = True  # a resume may not change it (it changes the numbers)
+
+    def __post_init__(self):
+        if self.type not in FIELD_TYPES:
+            raise ConfigError(f"model field {self.name!r}: type must be one of bool, int, float, str")
+        if not self.name.isidentifier():
+            raise ConfigError(f"model field {self.name!r}: not a valid flag name")
+        self.check(self.default)
+
+    def check(self, value) -> None:
+        """A ConfigError naming --<name> unless `value` has the field's type, choices and bounds."""
+        ok_type = isinstance(value, self.type) and (self.type is bool or not isinstance(value, bool))
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            ok_type = True
+        if not ok_type:
+            raise ConfigError(f"--{self.name}={value!r}: must be of type {self.type.__name__}")
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"--{self.name}={value}: must be one of {', '.join(map(str, self.choices))}")
+        if self.type in (int, float):
+            if not (value == value and abs(value) != float("inf")):
+                raise ConfigError(f"--{self.name} must be a finite number, got {value}")
+            if self.minimum is not None and not value >= self.minimum:
+                raise ConfigError(f"--{self.name} must be >= {self.minimum}, got {value}")
+            if self.maximum is not None and not value <= self.maximum:
+                raise ConfigError(f"--{self.name} must be <= {self.maximum}, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """One model: how to build it, train it, feed it and how far two meshes may disagree on it."""
@@ -58,8 +108,38 @@ class ModelSpec:
     cross_mesh_state_rtol: float
     check_config: Callable[[TrainConfig], None] = accept_any_config  # raises ConfigError naming the flag.
     partition: Callable[[tuple[int, ...], int], P] = default_partition  # (shape, model size) -> layout.
+    fields: tuple[ModelField, ...] = ()  # the spec's own config fields (flags --<name>)
+    # config -> optax.GradientTransformation, replacing the one the trainer's flags build (None: those).
+    make_optimizer: Callable[[TrainConfig], Any] | None = None
+    # config -> (loss rtol, state rtol) where they depend on the config (bf16 compute); None: the two above.
+    tolerances: Callable[[TrainConfig], tuple[float, float]] | None = None
+
+    def tolerances_of(self, config: TrainConfig) -> tuple[float, float]:
+        if self.tolerances is None:
+            return self.cross_mesh_loss_rtol, self.cross_mesh_state_rtol
+        return tuple(self.tolerances(config))
+
+    @property
+    def takes_model_state(self) -> bool:
+        """Whether the loss is loss(module, params, model_state, batch, rng) -> (loss, model_state);
+        else the older loss(module, params, batch) -> loss."""
+        try:
+            parameters = inspect.signature(self.loss).parameters.values()
+        except (TypeError, ValueError):
+            return True
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return len(positional) != 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
     def __post_init__(self):
+        if self.make_optimizer is not None and not callable(self.make_optimizer):
+            raise ConfigError(f"model {self.name!r}: make_optimizer must be callable")
+        taken = {f.name for f in dataclasses.fields(TrainConfig)} | _checkpoint_names() | {"code"}
+        names = [f.name for f in self.fields]
+        for field in self.fields:
+            if not isinstance(field, ModelField):
+                raise ConfigError(f"model {self.name!r}: fields must be trainer.models.ModelField")
+            if field.name in taken or names.count(field.name) > 1:
+                raise ConfigError(f"model {self.name!r}: field {field.name!r} is taken by the trainer or given twice")
         for field in ("make_module", "loss", "synthetic_batch", "init_inputs", "check_config", "partition"):
             if not callable(getattr(self, field)):
                 raise ConfigError(f"model {self.name!r}: {field} must be callable")
@@ -87,6 +167,8 @@ def resolve(name: str) -> ModelSpec:
     if not hasattr(module, attribute):
         raise _error(name, f"module {module_name} has no attribute {attribute}")
     found = getattr(module, attribute)
+    if is_nnx(found):
+        raise _error(name, NNX_HINT.format(what=attribute))
     if callable(found) and not isinstance(found, ModelSpec):
         try:
             found = found()
@@ -96,6 +178,32 @@ def resolve(name: str) -> ModelSpec:
         raise _error(name, f"{attribute} is of type {type(found).__name__}, not a trainer.models.ModelSpec "
                            "(or a function of no arguments returning one)")
     return found
+
+
+NNX_HINT = ("{what} is a flax.nnx Module; the trainer runs flax.linen modules: wrap it with "
+            "flax.nnx.bridge.ToLinen in a ModelSpec's make_module (docs/training.md)")
+
+
+def is_nnx(value) -> bool:
+    """Whether `value` is a flax.nnx Module (an instance or a class)."""
+    try:
+        from flax import nnx
+    except ImportError:  # a flax without nnx cannot have made one
+        return False
+    return isinstance(value, nnx.Module) or (isinstance(value, type) and issubclass(value, nnx.Module))
+
+
+def check_module(spec: ModelSpec, module) -> None:
+    """A ConfigError when make_module returned something the trainer cannot run (an nnx Module)."""
+    if is_nnx(module):
+        raise ConfigError(f"model {spec.name!r}: make_module returned "
+                          + NNX_HINT.format(what=type(module).__name__))
+
+
+def _checkpoint_names() -> set[str]:
+    from checkpointing import CheckpointConfig
+
+    return {f.name for f in dataclasses.fields(CheckpointConfig)}
 
 
 def _first_line(err: BaseException) -> str:
