@@ -10,6 +10,8 @@ import math
 from typing import Iterable, Mapping
 
 AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/policy.py)
+# --save_every_secs's default: `auto` when no step cadence is given (a run always saves), else off.
+BY_STEPS_OR_AUTO = "default"
 RESUME_NAMES = ("latest", "latest_verified", "none")
 
 
@@ -47,8 +49,8 @@ def check_fields(config) -> None:
 
 def parse_save_every_secs(value) -> float | str:
     """'auto', or a number of seconds >= 0 (finite); anything else is a ConfigError naming it."""
-    if isinstance(value, str) and value.strip() == AUTO:
-        return AUTO
+    if isinstance(value, str) and value.strip() in (AUTO, BY_STEPS_OR_AUTO):
+        return value.strip()
     try:
         secs = float(value)
     except (TypeError, ValueError):
@@ -62,9 +64,10 @@ def parse_save_every_secs(value) -> float | str:
 class CheckpointConfig:
     save_every_steps: int = option(0, "Save when the step is a multiple of this; 0 disables.", minimum=0)
     save_every_secs: float | str = option(
-        AUTO, "Also save when this long has passed since the last save; 0 disables; 'auto' (the default): "
-        "a first save within a minute (--max_save_interval_secs if shorter), then the interval that maximises "
-        "goodput (Young/Daly, from measured save costs and interruptions).")
+        BY_STEPS_OR_AUTO, "Also save when this long has passed since the last save; 0 disables; 'auto': a first "
+        "save within a minute (--max_save_interval_secs if shorter), then the interval that maximises goodput "
+        "(Young/Daly, from measured save costs and interruptions); 'default': auto when --save_every_steps is 0 "
+        "(so a run always saves), else 0.")
     max_save_overhead: float = option(0.02, "--save_every_secs=auto: saves cost at most this fraction of the time.",
                                       positive=True, maximum=1)
     max_save_interval_secs: float = option(3600.0, "--save_every_secs=auto: the longest interval between saves.",
@@ -94,7 +97,10 @@ class CheckpointConfig:
 
     def validated(self) -> "CheckpointConfig":
         """This config checked against itself, with --save_every_secs parsed; a ConfigError names the flag."""
-        config = dataclasses.replace(self, save_every_secs=parse_save_every_secs(self.save_every_secs))
+        secs = parse_save_every_secs(self.save_every_secs)
+        if secs == BY_STEPS_OR_AUTO:
+            secs = 0.0 if self.save_every_steps else AUTO
+        config = dataclasses.replace(self, save_every_secs=secs)
         check_fields(config)
         if config.resume_from not in RESUME_NAMES and not config.resume_from.isdigit():
             raise ConfigError(f"--resume_from must be latest, latest_verified, none or a step number, "

@@ -21,7 +21,8 @@ TRAIN = ["--mesh=data=4,model=2", "--batch_size=32", "--max_to_keep=100", "--log
 
 
 def test_the_default_saves_and_the_start_up_line_says_when(workdir, tmp_path):
-    assert CheckpointConfig().save_every_secs == "auto"
+    assert CheckpointConfig().validated().save_every_secs == "auto"  # no step cadence given: auto
+    assert CheckpointConfig(save_every_steps=10).validated().save_every_secs == 0.0
     log = str(tmp_path / "train.log")
     # No cadence flag at all: the default (auto) saves; its bound is shortened so the test is quick.
     with helpers.started_module("trainer.train", f"--workdir={workdir}", "--steps=1000000", *TRAIN,
