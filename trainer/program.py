@@ -43,6 +43,7 @@ class Program:
     abstract_batch: Any = None  # the global batch as ShapeDtypeStructs (batch_sharding)
     loss_fn: Callable | None = None  # (params, batch) -> scalar loss, unjitted: the eval's
     inputs: data.Inputs | None = None  # the record files of --data/--eval_data (None: synthetic)
+    code: dict | None = None  # the verifier's: the code identity this process replays with (trainer/code.py)
 
 
 def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = None) -> Program:
@@ -126,4 +127,6 @@ def replay_program(config: dict, mesh: Mesh) -> Program:
     # Replay reads only the train split: the eval batches are not part of a step.
     inputs = data.open_inputs(models.resolve(recorded.model), recorded.replace(eval_data="", eval_every_steps=0), mesh)
     data.check_recorded(config, inputs, "recorded in the manifest")
-    return build_program(recorded, mesh, inputs)
+    from trainer import code as code_lib  # the code identity reads the spec's files (and git): only here
+
+    return dataclasses.replace(build_program(recorded, mesh, inputs), code=code_lib.identity(recorded))

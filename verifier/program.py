@@ -13,6 +13,9 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
     loss_rtol       largest relative difference of a loss across layouts (measured)
     state_rtol      the per-leaf state tolerance across layouts (verifier/tolerances.py)
 
+and, optionally, `code`: the identity of the code it replays with (for the trainer: version, spec
+module and source hash, git commit; trainer/code.py), compared with the `config["code"]` each
+manifest recorded: a step computed by other code is never called reproduced (code_change below).
 trainer.program.Program is one; examples/own_loop.py builds its own. Manifests from before the
 field was recorded name the trainer's.
 """
@@ -48,6 +51,24 @@ def load(manifest: dict, mesh):
     if missing:
         raise ProgramError(f"program {reference}: its factory's result has no {', '.join(missing)}")
     return program
+
+
+CODE_FIELDS = ("version", "spec_module", "spec_sha256", "git_commit")  # not git_dirty: any edit flips it
+
+
+def code_change(program, manifests: list[dict]) -> str | None:
+    """What differs between the code that recorded `manifests` and the code `program` replays with,
+    as 'step S: name old -> new, ...', or None (the same code, or either side records none)."""
+    current = getattr(program, "code", None)
+    for manifest in manifests:
+        recorded = (manifest.get("config") or {}).get("code")
+        if not (current and isinstance(recorded, dict)):
+            continue
+        changed = [f"{name} {str(recorded.get(name))[:12]} -> {str(current.get(name))[:12]}" for name in CODE_FIELDS
+                   if recorded.get(name) != current.get(name)]
+        if changed:
+            return f"step {manifest['step']}: {', '.join(changed)}"
+    return None
 
 
 def replay_losses(program, state, start_step: int, num_steps: int):

@@ -156,6 +156,12 @@ class StepProofs:
                                  f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
                                  f"--replay_steps={self.options.replay_steps} and reach none of its recorded losses",
                                  durations)
+        # The anchor's save too: a chain of trust that crossed a code change says so instead of passing.
+        change = program_lib.code_change(program, self._manifests_between(anchor.step - 1, step) + [manifest])
+        if change is not None:  # never reproduced across a code change: the replay would prove other code
+            return self._verdict(step, manifest, "intact", "pass",
+                                 f"fingerprints equal; not reproduced: the code changed on the way from {origin} "
+                                 f"to this step ({change})", durations)
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
@@ -224,6 +230,17 @@ class StepProofs:
                        for s in committed_steps(self.options.workdir) if first < s < last)
         except CheckpointError:
             return False
+
+    def _manifests_between(self, first: int, last: int) -> list[dict]:
+        """The manifests of the committed steps strictly between `first` and `last` (unreadable: skipped)."""
+        found = []
+        for other in committed_steps(self.options.workdir):
+            if first < other < last:
+                try:
+                    found.append(read_manifest(self.options.workdir, other))
+                except CheckpointError:
+                    continue
+        return found
 
     def _state_mismatch(self, replayed, anchor_state, saved, manifest, program, exact) -> compare.Mismatch | None:
         if exact:  # the replay's fingerprints against the ones taken at save time
