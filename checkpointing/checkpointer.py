@@ -176,7 +176,13 @@ class Checkpointer:
         """The other run's step this run starts from: options.init_from resolved, or (once this run has
         steps) what its newest manifest recorded; a relaunch naming another source is refused."""
         committed = workdir_lib.committed_steps(self.workdir)
-        recorded = workdir_lib.read_manifest(self.workdir, committed[-1]).get("init_from") if committed else None
+        recorded = None
+        for step in reversed(committed):  # the newest readable manifest: a damaged one is the restore's to skip
+            try:
+                recorded = workdir_lib.read_manifest(self.workdir, step).get("init_from")
+                break
+            except CheckpointError:
+                continue
         if not self.options.init_from:
             return recorded
         source, _, step_text = self.options.init_from.rpartition(":")

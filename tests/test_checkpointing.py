@@ -20,7 +20,6 @@ from checkpointing.errors import (ConfigMismatchError, ManifestError, NoSuchChec
 from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
 from trainer import models
-from runtime.watchdog import Watchdog
 from trainer import loop
 from verifier.program import replay_losses
 from trainer.program import build_mesh, build_program
@@ -169,7 +168,7 @@ def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_
     shutil.copytree(helpers.checkpoint_dir(workdir, "20"), leftover)  # a full-looking step, never renamed
     assert committed_steps(workdir) == [10, 20]
     mesh = build_mesh(config)
-    with loop.open_checkpointer(config, mesh, Watchdog(60)) as checkpointer:
+    with loop.open_checkpointer(config, mesh) as checkpointer:  # its own watchdog, stopped at close
         program = build_program(config, mesh)
         assert checkpointer.restore_or_init(program.abstract_state, program.init_fn).step == 20
     assert not os.path.exists(leftover)

@@ -15,7 +15,6 @@ import pytest
 from checkpointing import compare, verdicts
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps, read_manifest
-from runtime.watchdog import Watchdog
 from tests import helpers
 from trainer import loop, models
 
@@ -83,7 +82,7 @@ def test_a_resume_inside_an_accumulation_window_is_bit_exact_and_restores_batch_
     loop.train(config)
     config = helpers.small_config(workdir, CNN, **OVERRIDES)
     program = loop.build_program(config, loop.build_mesh(config))
-    with loop.open_checkpointer(config, program.mesh, Watchdog(120)) as checkpointer:
+    with loop.open_checkpointer(config, program.mesh) as checkpointer:  # its own watchdog, stopped at close
         start = checkpointer.restore_or_init(program.abstract_state, program.init_fn)
     assert start.step == 13 and int(start.state.opt_state.mini_step) == 1  # one gradient accumulated
     restored, initial = helpers.leaves_by_path(start.state), helpers.leaves_by_path(program.init_fn())

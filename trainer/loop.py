@@ -161,16 +161,18 @@ def compile_program(program: Program, *, fresh: bool) -> None:
         program.init_fn.lower().compile()
 
 
-def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog, inputs: data.Inputs | None = None) -> Checkpointer:
+def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,
+                      inputs: data.Inputs | None = None) -> Checkpointer:
     """This run's Checkpointer: its identity is the config (its fixed names may not change on a resume)
     with, on record files, the dataset's identity (its digest may not change either), and the code that
     computes it (config["code"], trainer/code.py); the verifier replays it with
-    trainer.program:replay_program."""
+    trainer.program:replay_program. Without `watchdog` it owns one of --watchdog_secs, stopped at close."""
     recorded = inputs.recorded() if inputs is not None else {}
     fixed = tuple(config.fixed_names()) + ((data.DIGEST_KEY,) if recorded else ())
     identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config)}
     return Checkpointer(config.workdir, config.checkpoint, config=identity, fixed=fixed,
-                        mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog)
+                        mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog,
+                        watchdog_secs=config.watchdog_secs)
 
 
 def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:

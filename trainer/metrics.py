@@ -109,6 +109,10 @@ class EventWriter:
 
     def _fail(self, what: str, err: Exception) -> None:
         self._broken = True
+        # tensorboardX flushes again at exit and prints a traceback over the run's last line when
+        # the disk is still full: its writers are given up here (events are a convenience copy).
+        for file_writer in (getattr(self._writer, "all_writers", None) or {}).values():
+            file_writer.event_writer._closed = True
         logging.warning("metrics: cannot %s TensorBoard events under %s (%s); training goes on without them",
                         what, self._target, one_line_cause(err))
 
