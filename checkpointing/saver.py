@@ -68,6 +68,7 @@ class LossRecord:
         return {s: v for s, v in self._host.items() if self._since <= s < step}
 
     def persisted(self, step: int) -> None:
+        """The persistent save of `step` committed: the losses before it are in its manifest."""
         self._host = {s: v for s, v in self._host.items() if s >= step}
         self._since = step
 
@@ -148,19 +149,18 @@ class Saver:
                 self._local_failed(err)
 
     def _save(self, step: int, state, reason: str) -> None:
-        losses = self.losses.until(step)
         if self._save_started is not None:
             # The previous save is still writing: Orbax would wait for it inside save() anyway;
             # waiting here first records its commit time instead of losing it.
             self._service.wait_until_finished()
             self._committed(self._clock())
+        losses = self.losses.until(step)
         started = self._clock()
         self._service.save(step, state, losses=losses, reason=reason, extra=self._extra())
         self._metrics = {}
         self._save_started = started
         self.schedule.save_started(self._clock() - started)
         self._last_saved = step
-        self.losses.persisted(step)
 
     def _save_local(self, step: int, state, reason: str) -> None:
         """Starts a local save. Never fatal: Orbax re-raises the previous local write's failure (a full
@@ -229,3 +229,6 @@ class Saver:
         """The save in flight committed (seen at this step boundary): record its time, adapt."""
         self.schedule.committed(now - self._save_started)
         self._save_started = None
+        # Only now may its losses go: until this commit, a local step (or the next persistent save, if
+        # this one fails) must still record them, or a crash before the commit would lose them.
+        self.losses.persisted(self._last_saved)

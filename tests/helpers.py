@@ -236,8 +236,7 @@ def open_service(config: TrainConfig, program):
     """The trainer's persistent tier for `config`, without a lease: for tests that save or restore one
     step directly (the trainer itself opens it through checkpointing.Checkpointer)."""
     from checkpointing.service import CheckpointService, RunMetadata
-    from trainer.config import FIXED_FIELDS
 
-    run = RunMetadata.of_run(config.to_json(), FIXED_FIELDS, dict(program.mesh.shape),
+    run = RunMetadata.of_run(config.to_json(), config.fixed_names(), dict(program.mesh.shape),
                              program="trainer.program:replay_program")
     return CheckpointService(config.workdir, config.checkpoint, run=run)

@@ -226,7 +226,7 @@ def test_resume_from_none_refuses_a_workdir_with_checkpoints_and_deletes_nothing
 
 @pytest.mark.parametrize("flag, message", [
     ("--resume_from=15", "--resume_from=15: not a committed step (committed: [10, 20])"),
-    ("--resume_from=10", "--resume_from=10: newer steps [20] exist and would be overwritten"),
+    ("--resume_from=10", "--resume_from=10: newer steps [20] exist; to roll back to it add --rollback"),
     ("--hidden_dim=32", "hidden_dim: checkpoint 64 vs this run 32"),
 ])
 def test_bad_resumes_exit_2_naming_the_problem(workdir, trained, flag, message):

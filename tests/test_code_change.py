@@ -35,7 +35,7 @@ def test_a_changed_model_source_is_named_at_the_resume_and_never_reproduced_acro
 
     resumed = helpers.run_module("trainer.train", *flags, "--steps=20", **env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "code changed since step 10" in resumed.stderr and "spec_sha256" in resumed.stderr
+    assert "code changed since the newest checkpoint" in resumed.stderr and "spec_sha256" in resumed.stderr
     assert committed_steps(workdir) == [10, 20]
     code = read_manifest(workdir, 20)["config"]["code"]
     assert any(change.startswith("spec_sha256") for change in code["changed_from"])

@@ -45,9 +45,9 @@ def loss_reads(monkeypatch) -> LossReads:
     reads = LossReads()
     add = loop.LossLog.add
 
-    def add_and_watch(self, step, loss):
+    def add_and_watch(self, step, loss, *scalars):
         reads.add(step, loss)
-        add(self, step, loss)
+        add(self, step, loss, *scalars)
 
     monkeypatch.setattr(loop.LossLog, "add", add_and_watch)
     array_type = type(jnp.zeros(()))
@@ -83,5 +83,8 @@ def test_losses_stay_on_device_between_log_steps(tmp_path, loss_reads, caplog):
     read_at: dict[int, list[int]] = {}
     for step, dispatched in loss_reads.reads:
         read_at.setdefault(step, []).append(dispatched)
-    # Each loss is read once, by the first pull after it: never while the steps between run.
-    assert read_at == {step: [min(p for p in pulls if p > step)] for step in range(STEPS)}, read_at
+    # Each loss is first read by the first pull after it, and only ever at pulls (the log step's, and the
+    # save's for its manifest, which finds the value already on the host): never while the steps between run.
+    assert {step: min(at) for step, at in read_at.items()} == {
+        step: min(p for p in pulls if p > step) for step in range(STEPS)}, read_at
+    assert all(p in pulls and p > step for step, at in read_at.items() for p in at), read_at

@@ -17,7 +17,8 @@ from trainer import models
 from trainer.config import CODE_FIELD, ConfigError, TrainConfig
 
 GIT_TIMEOUT_SECS = 5.0
-COMPARED = ("version", "spec_module", "spec_sha256", "git_commit", "git_dirty")
+# Recorded but not compared: git_dirty (any edit anywhere in the checkout flips it; the spec hash is what counts).
+COMPARED = ("version", "spec_module", "spec_sha256", "git_commit")
 
 
 def project_version() -> str:

@@ -191,17 +191,14 @@ def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
 
 def resumed_code(config: TrainConfig) -> dict:
     """This process's code identity, checked against the newest committed manifest's (one warning line
-    naming what changed; a ConfigError under --refuse_code_change)."""
+    naming what changed, logged once the run is admitted; a ConfigError under --refuse_code_change)."""
     current = code_lib.identity(config)
     try:
         steps = committed_steps(config.workdir)
         previous = read_manifest(config.workdir, steps[-1])["config"] if steps else None
     except Exception:  # noqa: BLE001  an unreadable workdir is the Checkpointer's to report, with its own line
         return current
-    recorded = code_lib.check_resume(config, previous, current)
-    if "changed_from" in recorded and jax.process_index() == 0:
-        logging.warning("code changed since step %d: %s", steps[-1], "; ".join(recorded["changed_from"]))
-    return recorded
+    return code_lib.check_resume(config, previous, current)
 
 
 def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -> TrainResult:
@@ -226,6 +223,9 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
             for name, secs in (startup_phases or {}).items():
                 log_phase(name, secs)
+            changed = checkpointer.run.config[CODE_FIELD].get("changed_from")
+            if changed and jax.process_index() == 0:  # recorded in every manifest of this attempt
+                logging.warning("code changed since the newest checkpoint: %s", "; ".join(changed))
             return _train(config, mesh, checkpointer, watchdog, inputs)
     finally:
         if watchdog is not None:
