@@ -18,7 +18,7 @@ _PUBLIC = {
     # what a workdir holds, read only
     "committed_steps": "workdir", "read_manifest": "workdir", "metrics_file": "workdir",
     "tensorboard_dir": "workdir", "expand_local_dir": "workdir", "check_workdir": "storage",
-    "newest_reproduced_step": "verdicts", "recorded_losses": "report", "table_rows": "report",
+    "newest_proved_step": "verdicts", "recorded_losses": "report", "table_rows": "report",
     "format_table": "report", "draw_plot": "plot", "plot_series": "plot", "reference_loss": "plot",
     "PLOT_FORMATS": "plot",
     # errors

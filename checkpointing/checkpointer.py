@@ -25,6 +25,7 @@ from checkpointing import workdir as workdir_lib
 from checkpointing.config import CheckpointConfig
 from checkpointing.errors import (BadCheckpointRequest, CheckpointError, LeaseLostError, NoSuchCheckpointError,
                                   WorkdirLeasedError)
+from checkpointing.probe_recorder import ProbeRecorder
 from checkpointing.saver import SaveEvent, Saver
 from checkpointing.schedule import SaveSchedule
 from checkpointing.service import CheckpointService, RunMetadata
@@ -100,8 +101,17 @@ class Checkpointer:
         self._saver = Saver(self.service, SaveSchedule(self.options, resumed_step=start.step,
                                                        resumed_manifest=start.manifest, resumed_tier=start.tier),
                             start_step=start.step, end_step=self.total_steps, preemption=self.preemption,
-                            watchdog=self.watchdog, local=self.local, carried_losses=carried)
+                            watchdog=self.watchdog, local=self.local, carried_losses=carried,
+                            probes=self._probe_recorder(start))
         return start
+
+    def _probe_recorder(self, start: restore_lib.RestoreResult) -> ProbeRecorder | None:
+        if not self.options.probe_steps or self.run.program is None:
+            return None  # a run the verifier does not replay needs no probes
+        recorder = ProbeRecorder(self.workdir, self.options.probe_steps, self.total_steps, self.run.mesh)
+        if start.tier == "persistent":
+            recorder.saved(start.step, committed=True)  # if the attempt that saved it died first, this one records it
+        return recorder
 
     # --- saving --------------------------------------------------------------------------------
 
@@ -169,7 +179,7 @@ class Checkpointer:
 
     def _protected(self) -> list[int]:
         """Retention never deletes the newest step the verifier reproduced: the next proof starts there."""
-        newest = verdicts.newest_reproduced_step(self.workdir, workdir_lib.committed_steps(self.workdir))
+        newest = verdicts.newest_proved_step(self.workdir, workdir_lib.committed_steps(self.workdir))
         return [] if newest is None else [newest]
 
     def _init_from(self) -> dict | None:

@@ -91,6 +91,9 @@ class CheckpointConfig:
     init_from: str = option("", "A fresh run starts from another run's committed step, WORKDIR[:STEP] (newest if no "
                                 "STEP): its params, with this run's fresh optimizer state. Recorded in every manifest; "
                                 "the verifier proves the run from that step's fingerprints, not from the seed.")
+    probe_steps: int = option(4, "After each persistent save, record the losses of this many steps and a per-leaf "
+                                 "summary of the state after them, for the verifier's cheap proof (the checkpoint "
+                                 "resumes the run); 0 records none.", minimum=0)
     lease_secs: float = option(60.0, "The workdir lease expires this long after its holder's last renewal "
                                      "(renewed every quarter): a restart after a kill on another host waits "
                                      "at most this.", positive=True)

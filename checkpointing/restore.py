@@ -64,7 +64,7 @@ def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata,
     if options.resume_from == "latest":
         candidates = committed[::-1]
     elif options.resume_from == "latest_verified":
-        candidates = verdicts.reproduced_steps(workdir, committed)[::-1]
+        candidates = verdicts.proved_steps(workdir, committed)[::-1]
         if committed and not candidates:
             raise BadCheckpointRequest(
                 f"--resume_from=latest_verified: none of the committed steps {committed} was reproduced by the "
@@ -207,5 +207,5 @@ def check_step_counter(step: int, state) -> None:
 
 def _require_proof_of_this_save(workdir: str, step: int, manifest: dict) -> None:
     """A verdict proves one save: the step number may have been set aside and saved again since."""
-    if not verdicts.is_reproduced(verdicts.for_save(workdir, step, manifest.get("digest"))):
-        raise CorruptCheckpointError(f"step {step}: its reproduced verdict belongs to another save of that step")
+    if not verdicts.is_proved(verdicts.for_save(workdir, step, manifest.get("digest"))):
+        raise CorruptCheckpointError(f"step {step}: its verdict belongs to another save of that step")

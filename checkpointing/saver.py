@@ -16,6 +16,7 @@ from absl import logging
 from checkpointing import local_tier
 from checkpointing import manifest as manifest_lib
 from checkpointing.errors import AsyncSaveError, one_line_cause
+from checkpointing.probe_recorder import ProbeRecorder
 from checkpointing.schedule import SaveSchedule
 from checkpointing.service import CheckpointService
 from runtime.exit_codes import Preempted
@@ -82,7 +83,8 @@ class Saver:
 
     def __init__(self, service: CheckpointService, schedule: SaveSchedule, *, start_step: int, end_step: int,
                  preemption: PreemptionWatch, watchdog: Watchdog, local: CheckpointService | None = None,
-                 carried_losses: dict[int, float] | None = None, clock=time.perf_counter):
+                 carried_losses: dict[int, float] | None = None, probes: ProbeRecorder | None = None,
+                 clock=time.perf_counter):
         self._service = service
         self._local = local
         self._local_failures = 0  # local saves that failed on this host (logged once)
@@ -96,6 +98,7 @@ class Saver:
         self._last_saved = start_step  # the newest step saved persistently (or resumed)
         self._last_local: int | None = None
         self.losses = LossRecord(carried_losses, start_step)
+        self._probes = probes  # what the verifier's cheap proof compares against (checkpointing/probes.py)
         self._metrics: dict[str, dict[str, float]] = {}  # {step: {name: value}} since the last persistent save
 
     def on_step(self, step: int, state, loss=None, metrics: dict | None = None) -> SaveEvent:
@@ -111,6 +114,10 @@ class Saver:
         self.schedule.step_ended(now - self._last_tick, writing=writing)
         if loss is not None:
             self.losses.add(step - 1, loss)
+            if self._probes is not None:
+                self._probes.add_loss(step - 1, loss)
+        if self._probes is not None:
+            self._probes.on_step(step, state)
         if metrics:
             self._metrics[str(step)] = {name: float(value) for name, value in metrics.items()}
         if self._preemption.decide(step) and step != self._end_step:
@@ -133,6 +140,10 @@ class Saver:
         """Waits for the last persistent save (AsyncSaveError if it failed), then the local one's
         (whose failure is one error line, never the run's)."""
         self._service.close()
+        if self._probes is not None:
+            if self._save_started is not None:
+                self._probes.committed(self._last_saved)
+            self._probes.close()
         if self._local is not None:
             try:
                 self._local.close()
@@ -158,6 +169,8 @@ class Saver:
         started = self._clock()
         self._service.save(step, state, losses=losses, reason=reason, extra=self._extra())
         self._metrics = {}
+        if self._probes is not None:
+            self._probes.saved(step)
         self._save_started = started
         self.schedule.save_started(self._clock() - started)
         self._last_saved = step
@@ -229,6 +242,8 @@ class Saver:
         """The save in flight committed (seen at this step boundary): record its time, adapt."""
         self.schedule.committed(now - self._save_started)
         self._save_started = None
+        if self._probes is not None:
+            self._probes.committed(self._last_saved)
         # Only now may its losses go: until this commit, a local step (or the next persistent save, if
         # this one fails) must still record them, or a crash before the commit would lose them.
         self.losses.persisted(self._last_saved)

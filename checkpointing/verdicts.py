@@ -9,13 +9,18 @@ Levels, weakest first (each includes the ones before it):
   intact      the step restored onto the verifier's mesh: its manifest matches its digest, every
               leaf's fingerprint equals the manifest's, every leaf and recorded loss is finite and
               the step counter equals the step
-  replayed    a replay from a reproduced predecessor matched the losses this step recorded for
+  replayed    a replay from a proved predecessor matched the losses this step recorded for
               the replayed steps, but stopped short of the step (--replay_steps < the distance):
               the step's own state is not proved
-  reproduced  a replay from the newest reproduced predecessor (or the config's init, for the
-              first checkpoint) reached this step with every loss it recorded and its whole state
-              equal: bit-exact on the layout that recorded it, within per-leaf tolerances on
-              another. Only these steps anchor later proofs and `--resume_from=latest_verified`.
+  resumes     the cheap proof: the few steps the trainer recorded after this save (its probe,
+              checkpointing/probes.py), replayed from the checkpoint, give the trainer's losses and
+              per-leaf sums and norms: the checkpoint resumes the run it came from
+  reproduced  the full proof: a replay from the newest proved predecessor (or the config's init,
+              for the first checkpoint) reached this step with every loss it recorded and its whole
+              state equal: bit-exact on the layout that recorded it, within per-leaf tolerances on
+              another (and, where a probe exists, the cheap proof passed too).
+  Proved steps (resumes or reproduced, passed) anchor later proofs, `--resume_from=latest_verified`
+  and retention's protection: both show that the checkpoint resumes the run.
 
 Fields:
   step, level, status ("pass", "fail" or "gone": deleted while being verified)
@@ -43,7 +48,7 @@ from checkpointing.workdir import fresh_path
 
 _WARNED: set[str] = set()  # the damaged verdict files this process has warned about
 
-LEVELS = ("intact", "replayed", "reproduced")
+LEVELS = ("intact", "replayed", "resumes", "reproduced")
 STATUSES = ("pass", "fail", "gone")
 
 _REQUIRED = {
@@ -174,19 +179,23 @@ def current_steps(workdir: str, steps) -> dict[int, dict]:
             if belongs(verdict, digest_on_disk(workdir, step))}
 
 
-def is_reproduced(verdict: dict | None) -> bool:
-    """Whether a verdict proves its step's own state (the only kind a resume or a proof may start from)."""
-    return verdict is not None and verdict["level"] == "reproduced" and verdict["status"] == "pass"
+PROVED_LEVELS = ("resumes", "reproduced")
 
 
-def reproduced_steps(workdir: str, among) -> list[int]:
-    """Which of the steps `among` (e.g. the committed ones) were reproduced from the seed's chain
-    of trust, ascending; a verdict counts only for the save it names (its manifest digest)."""
-    return [step for step, verdict in current_steps(workdir, among).items() if is_reproduced(verdict)]
+def is_proved(verdict: dict | None) -> bool:
+    """Whether a verdict proves that its step resumes the run (the only kind a resume or a proof may start
+    from): the cheap proof or the full one, passed."""
+    return verdict is not None and verdict["level"] in PROVED_LEVELS and verdict["status"] == "pass"
 
 
-def newest_reproduced_step(workdir: str, among) -> int | None:
-    steps = reproduced_steps(workdir, among)
+def proved_steps(workdir: str, among) -> list[int]:
+    """Which of the steps `among` (e.g. the committed ones) are proved, ascending; a verdict counts
+    only for the save it names (its manifest digest)."""
+    return [step for step, verdict in current_steps(workdir, among).items() if is_proved(verdict)]
+
+
+def newest_proved_step(workdir: str, among) -> int | None:
+    steps = proved_steps(workdir, among)
     return steps[-1] if steps else None
 
 

@@ -31,6 +31,7 @@ MANIFEST_ITEM = "manifest"  # Orbax item of the manifest inside a step
 MANIFEST_FILE = "metadata"
 SUPERSEDED_DIR = "superseded"
 VERDICTS_DIR = "verdicts"
+PROBES_DIR = "probes"  # what the trainer recorded a few steps after each save (checkpointing/probes.py)
 LEASE_DIR = "lease"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -77,6 +78,10 @@ def verdicts_dir(workdir: str) -> epath.Path:
 
 def verdict_file(workdir: str, step: int) -> epath.Path:
     return verdicts_dir(workdir) / f"{step}.json"
+
+
+def probe_file(workdir: str, step: int) -> epath.Path:
+    return epath.Path(_join(workdir, PROBES_DIR)) / f"{step}.json"
 
 
 def lease_dir(workdir: str) -> str:

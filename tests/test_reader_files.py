@@ -54,6 +54,6 @@ def test_a_verdict_cut_in_half_warns_once_and_the_trainer_inspect_and_verifier_g
                                   device_count=2)
     assert verified.returncode == 0, verified.stderr[-3000:]
     assert verdicts.load(workdir, 30)[1] is None, "the verifier did not write the damaged verdict again"
-    assert verdicts.is_reproduced(verdicts.read(workdir, 30))
-    assert verdicts.reproduced_steps(workdir, committed_steps(workdir)) == [10, 20, 30, 40, 50]
+    assert verdicts.is_proved(verdicts.read(workdir, 30))
+    assert verdicts.proved_steps(workdir, committed_steps(workdir)) == [10, 20, 30, 40, 50]
     helpers.assert_committed_intact(before, workdir)

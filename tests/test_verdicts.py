@@ -1,5 +1,5 @@
 """Verdicts in-process on hand-built JSON: the atomic write, the schema on read (a damaged file counts as
-no verdict), and which verdicts may anchor a proof or a resume (`is_reproduced`)."""
+no verdict), and which verdicts may anchor a proof or a resume (`is_proved`)."""
 
 import json
 import logging
@@ -61,8 +61,8 @@ def test_a_damaged_verdict_counts_as_none_with_one_warning_and_inspect_calls_it_
     assert verdicts.load(workdir, 10)[0] is None and verdicts.load(workdir, 10)[1].startswith(damage)
     with caplog.at_level(logging.WARNING):
         assert verdicts.read(workdir, 10) is None
-        assert verdicts.newest_reproduced_step(workdir, [10, 20]) == 20
-        assert verdicts.reproduced_steps(workdir, [10]) == []
+        assert verdicts.newest_proved_step(workdir, [10, 20]) == 20
+        assert verdicts.proved_steps(workdir, [10]) == []
         assert sorted(verdicts.read_all(workdir)) == [20]
     warned = [r.getMessage() for r in caplog.records if "verdict of step 10 is damaged" in r.getMessage()]
     assert len(warned) == 1 and damage in warned[0], warned
@@ -92,19 +92,21 @@ def test_the_schema_names_what_is_wrong(edit, message):
     ("replayed", "pass", True, False),
     ("intact", "pass", False, False),
     ("reproduced", "gone", True, False),
+    ("resumes", "pass", True, True),
+    ("resumes", "fail", True, False),
 ])
-def test_only_a_passing_reproduced_verdict_anchors_a_proof_or_a_resume(level, status, complete, reproduced):
-    assert verdicts.is_reproduced(verdict(10, level=level, status=status, complete=complete)) is reproduced
+def test_only_a_passing_proof_verdict_anchors_a_proof_or_a_resume(level, status, complete, reproduced):
+    assert verdicts.is_proved(verdict(10, level=level, status=status, complete=complete)) is reproduced
 
 
-def test_reproduced_steps_reads_only_the_steps_asked_for(tmp_path):
+def test_proved_steps_reads_only_the_steps_asked_for(tmp_path):
     workdir = str(tmp_path)
     for step, level, status in [(10, "reproduced", "pass"), (20, "reproduced", "fail"), (30, "replayed", "pass"),
                                 (40, "reproduced", "pass"), (50, "reproduced", "pass")]:
         verdicts.write(workdir, verdict(step, level=level, status=status))
-    assert verdicts.reproduced_steps(workdir, [40, 10, 20, 30, 60]) == [10, 40]
-    assert verdicts.newest_reproduced_step(workdir, [10, 20, 30, 40]) == 40
-    assert verdicts.newest_reproduced_step(workdir, [20, 30]) is None
+    assert verdicts.proved_steps(workdir, [40, 10, 20, 30, 60]) == [10, 40]
+    assert verdicts.newest_proved_step(workdir, [10, 20, 30, 40]) == 40
+    assert verdicts.newest_proved_step(workdir, [20, 30]) is None
     assert sorted(verdicts.read_steps(workdir, [30, 60])) == [30]
     assert sorted(verdicts.read_all(workdir)) == [10, 20, 30, 40, 50]
     assert verdicts.read_all(str(tmp_path / "nothing")) == {}

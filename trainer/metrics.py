@@ -20,7 +20,7 @@ import psutil
 from absl import logging
 from etils import epath
 
-from checkpointing import committed_steps, newest_reproduced_step, one_line_cause, read_manifest, tensorboard_dir
+from checkpointing import committed_steps, newest_proved_step, one_line_cause, read_manifest, tensorboard_dir
 
 PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
 PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")
@@ -138,7 +138,7 @@ class RunStatus:
         try:
             steps = committed_steps(self._workdir)
             self.committed = steps[-1] if steps else None
-            self.verified = newest_reproduced_step(self._workdir, steps)
+            self.verified = newest_proved_step(self._workdir, steps)
         except Exception as err:  # a status line is not worth a crash
             logging.log_every_n_seconds(logging.WARNING, "metrics: cannot read the run's status in %s (%s)", 600,
                                         self._workdir, one_line_cause(err))

@@ -5,29 +5,30 @@ Proofs run forward, so that blame lands on the step that is wrong (levels: check
   intact      restore onto the verifier's mesh from an explicit abstract target: the manifest
               matches its digest, every fingerprint its leaf (checked by the service), every value
               is finite and the step counter is the step. Written at once (complete=false).
-  reproduced  replay from the newest reproduced predecessor (the run's init for the first
-              checkpoint, or the params it imported with --init_from) up to this step: every loss
-              the step recorded, and then its whole state, must come out equal (verifier/tolerances.py:
-              bit-exact on the recording layout, per-leaf tolerances on another). A proved step
-              becomes the next proof's start, so the chain of trust goes back to the seed and the
-              final step is proved as soon as it commits.
+  resumes     the cheap proof (verifier/resume_proof.py), at every save the trainer recorded a probe
+              for: the few steps it replays from the checkpoint give what the trainer computed after
+              it. k steps whatever the interval, so it keeps pace at any scale.
+  reproduced  the full proof (verifier/chain_proof.py): a replay from the newest proved predecessor
+              (the run's init for the first checkpoint, or the params it imported with --init_from)
+              up to this step: every loss the step recorded, and then its whole state, must come out
+              equal (verifier/tolerances.py: bit-exact on the recording layout, per-leaf tolerances on
+              another). With --verify_budget below 1 it is given to a sample of the saves
+              (verifier/budget.py); at 1, to every one, so the chain of trust goes back to the seed.
   replayed    the weaker level when the distance exceeds --replay_steps: the replay compared the
               losses it reached, the step's own state is not proved.
-A tampered step fails its own proof; its predecessor stays proved and its successor is proved
-from the predecessor. It only reads checkpoints; the one thing it writes is verdicts.
+A proved step becomes the next proof's start. A tampered step fails its own proof; its predecessor
+stays proved and its successor is proved from the predecessor. It only reads checkpoints; the one
+thing it writes is verdicts.
 """
 
 import dataclasses
 import time
 
 import jax
-import jax.numpy as jnp
-from absl import logging
 from jax.sharding import AxisType
 
 from checkpointing import compare
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import manifest as manifest_lib
+from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
 from checkpointing.errors import CheckpointError, FingerprintMismatchError, TreeMismatchError
@@ -37,9 +38,10 @@ from trainer.config import MESH_AXES
 from runtime import collective
 from verifier import identity
 from verifier import program as program_lib
-from verifier import tolerances
+from verifier import resume_proof
+from verifier.budget import ProofBudget
+from verifier.chain_proof import INIT, Anchor, ChainProofs  # noqa: F401 (INIT: re-exported)
 
-INIT = 0  # replayed_from of a proof that starts at the run's init (no checkpoint is step 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,17 +49,10 @@ class VerifierOptions:
     workdir: str  # the trainer's workdir (local path or gs://)
     mesh: tuple[tuple[str, int], ...] = ()  # the verifier's own mesh; () means data=<its devices>
     replay_steps: int = 100  # a proof replays at most this many steps (beyond: the weaker 'replayed')
+    verify_budget: float = 1.0  # the full proofs' compute as a fraction of the training's (verifier/budget.py)
+    follow: bool = False  # --follow: a save whose probe the trainer is still to record waits for it
     poll_secs: float = 1.0  # first wait between directory polls in --follow
     max_poll_secs: float = 30.0  # polls back off (x2 when nothing new) up to this
-
-
-@dataclasses.dataclass(frozen=True)
-class Anchor:
-    """A proved state the next proof replays from (kept on device, never donated)."""
-
-    step: int
-    state: object
-    fixed_hash: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +65,15 @@ class HeldStep:
     durations: dict
 
 
-class StepProofs:
+class StepProofs(ChainProofs):
     """The proofs of one step: intact (restore and check), then reproduced (replay from an anchor)."""
 
     def __init__(self, options: VerifierOptions):
         self.options = options
         self._programs: dict[tuple, object] = {}  # (program, fixed_hash) -> the replay program
         self._service = CheckpointService(options.workdir, read_only=True)
-        self._anchor: Anchor | None = None  # the newest step this process reproduced
+        self._anchor: Anchor | None = None  # the newest step this process proved
+        self._budget = ProofBudget(options.verify_budget)
         self._copies: dict[str, object] = {}  # fixed_hash -> jitted copy onto the state shardings
         self._mesh = None
         self._run: dict | None = None  # the manifest naming the run (verifier/identity.py)
@@ -142,117 +138,68 @@ class StepProofs:
                                complete=False)
         return intact, HeldStep(state, manifest, program, durations)
 
-    def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict:
-        """The complete verdict of an intact step: replayed from the newest proved state before it
-        (held here, else `disk_anchor`, a reproduced step on disk, else the run's init)."""
-        state, manifest, program, durations = held.state, held.manifest, held.program, held.durations
-        anchor = self._anchor_for(step, manifest, program, disk_anchor)
-        distance = step - anchor.step
-        count = min(distance, self.options.replay_steps)
-        recorded = {s: v for s, v in manifest_lib.losses(manifest).items() if anchor.step <= s < anchor.step + count}
-        origin = f"step {anchor.step}" if anchor.step != INIT else _init_origin(manifest)
-        if count == 0 or (count < distance and not recorded):
-            return self._verdict(step, manifest, "intact", "pass",
-                                 f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
-                                 f"--replay_steps={self.options.replay_steps} and reach none of its recorded losses",
-                                 durations)
-        # The anchor's save too: a chain of trust that crossed a code change says so instead of passing.
-        change = program_lib.code_change(program, self._manifests_between(anchor.step - 1, step) + [manifest])
-        if change is not None:  # never reproduced across a code change: the replay would prove other code
-            return self._verdict(step, manifest, "intact", "pass",
-                                 f"fingerprints equal; not reproduced: the code changed on the way from {origin} "
-                                 f"to this step ({change})", durations)
-        exact = self._exact(anchor.step, step, manifest, program)
-        started = time.perf_counter()
-        start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
-        replayed_state, replayed = self._replay(program, start_state, anchor.step, count)
-        durations["replay"] = time.perf_counter() - started
-        rtol = tolerances.loss_rtol(program, exact)
-        mismatch, largest = compare.compare_losses(replayed, recorded, rtol)
-        level = "reproduced" if count == distance else "replayed"
-        common = dict(max_difference=largest, replayed_from=anchor.step, replayed=count, compared=len(recorded))
-        how = "bit-exact" if exact else f"max rel diff {largest:.2e}"
-        if mismatch is None and level == "reproduced":
-            mismatch = self._state_mismatch(replayed_state, anchor.state, state, manifest, program, exact)
-        if mismatch is not None:
-            return self._verdict(step, manifest, level, "fail", f"replayed from {origin}: {mismatch.detail}", durations,
-                                 mismatch=mismatch.as_dict(), **common)
-        if level == "replayed":
-            return self._verdict(step, manifest, level, "pass",
-                                 f"replayed {count} of {distance} steps from {origin}: {len(recorded)} recorded losses "
-                                 f"match ({how}); the step's own state is not proved (--replay_steps)", durations,
-                                 **common)
-        self._anchor = Anchor(step, state, manifest["fixed_hash"])
-        return self._verdict(step, manifest, level, "pass",
-                             f"replayed {count} steps from {origin}: {len(recorded)} recorded losses match ({how}); "
-                             f"state equals the checkpoint leaf by leaf", durations, **common)
+    def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
+        """The complete verdict of an intact step: the cheap proof where the trainer recorded a probe
+        (verifier/resume_proof.py), then the full proof where the budget gives one (verifier/budget.py).
+        None: under --follow its probe is still to come (the trainer records it k steps after the save)."""
+        manifest = held.manifest
+        final = manifest.get("reason") == "final"
+        probe = self._agreed_probe(step, manifest)
+        if probe is None and collective.decided_by_primary(lambda: self._awaits_probe(step, final)):
+            return None
+        resume = None
+        if probe is not None:
+            started = time.perf_counter()
+            resume = resume_proof.prove(self._replay, held.program, held.state,
+                                        self._copy(held.state, manifest["fixed_hash"], held.program), step, probe,
+                                        manifest["leaves"], (dict(held.program.mesh.shape), jax.process_count()))
+            held.durations["resume_proof"] = time.perf_counter() - started
+        distance = step - self._anchor_step(step, manifest, disk_anchor)
+        if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None):
+            return self._resume_verdict(step, held, resume, f"; the full proof is not due ({self._budget.describe()})")
+        verdict = self._prove_chain(step, held, self._anchor_for(step, manifest, held.program, disk_anchor))
+        if resume is not None and resume.mismatch is not None and verdict["status"] == "pass":
+            return self._resume_verdict(step, held, resume, "")
+        if resume is not None:
+            verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
+        return verdict
 
-    def _anchor_for(self, step: int, manifest: dict, program, disk_anchor: int | None) -> Anchor:
-        """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init."""
-        fixed_hash = manifest["fixed_hash"]
-        held = self._anchor
-        if held is not None and held.fixed_hash == fixed_hash and held.step < step and (
-                disk_anchor is None or held.step >= disk_anchor):
-            return held
-        if disk_anchor is not None and disk_anchor < step:
+    def _resume_verdict(self, step: int, held: HeldStep, resume, why_only: str) -> dict:
+        """The verdict of the cheap proof alone; a step that passes it anchors the next full proof."""
+        manifest = held.manifest
+        status = "pass" if resume.mismatch is None else "fail"
+        if status == "pass":
+            self._anchor = Anchor(step, held.state, manifest["fixed_hash"])
+        detail = resume.describe() + (why_only if status == "pass" else "")
+        mismatch = None if resume.mismatch is None else resume.mismatch.as_dict()
+        return self._verdict(step, manifest, "resumes", status, detail, held.durations, mismatch=mismatch,
+                             max_difference=resume.largest, replayed_from=step, replayed=resume.steps,
+                             compared=resume.compared_losses)
+
+    def _agreed_probe(self, step: int, manifest: dict) -> dict | None:
+        """The save's probe, if process 0 sees one (every process then replays it: one plan)."""
+        probe = probes.for_save(self.options.workdir, step, manifest.get("digest"))
+        if not collective.decided_by_primary(lambda: probe is not None):
+            return None
+        return probe or probes.for_save(self.options.workdir, step, manifest.get("digest"))
+
+    def _awaits_probe(self, step: int, final: bool) -> bool:
+        """Under --follow with a budget below 1, a save waits for its probe while the trainer may still
+        record it: the run's final step is not committed, and no later save has a probe yet."""
+        if not self.options.follow or final or self.options.verify_budget >= 1.0:
+            return False
+        for later in (s for s in reversed(committed_steps(self.options.workdir)) if s > step):
             try:
-                anchor_manifest = read_manifest(self.options.workdir, disk_anchor)
-                if anchor_manifest["fixed_hash"] == fixed_hash:
-                    restored = self._service.restore(disk_anchor, program.abstract_state).state
-                    self._anchor = Anchor(disk_anchor, restored, fixed_hash)
-                    return self._anchor
-            except CheckpointError as err:  # deleted or damaged since it was proved: start further back
-                logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
-        # The run's init (the step's identity is the run's: verifier/identity.py); a run started from
-        # another run's step (--init_from) takes that step's params, checked against their
-        # fingerprints and the digest the run recorded.
-        run = self.run_manifest() or manifest
-        return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state,
-                                                    run.get("init_from")), fixed_hash)
+                later_manifest = read_manifest(self.options.workdir, later)
+            except CheckpointError:
+                continue
+            if later_manifest.get("reason") == "final" or probes.for_save(self.options.workdir, later,
+                                                                          later_manifest.get("digest")):
+                return False
+        return True
 
     def _replay(self, program, state, start_step: int, count: int):
         return program_lib.replay_losses(program, state, start_step, count)
-
-    def _copy(self, state, fixed_hash: str, program):
-        """A fresh copy of a proved state (the step donates its input; the proved one stays)."""
-        if fixed_hash not in self._copies:
-            self._copies[fixed_hash] = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree),
-                                               out_shardings=program.state_shardings)
-        return self._copies[fixed_hash](state)
-
-    def _exact(self, first: int, last: int, manifest: dict, program) -> bool:
-        """Bit-exact only if every step in (first, last] was recorded on the verifier's layout."""
-        layout = (dict(program.mesh.shape), jax.process_count())
-        if not tolerances.same_layout(*layout, manifest):
-            return False
-        try:
-            return all(tolerances.same_layout(*layout, read_manifest(self.options.workdir, s))
-                       for s in committed_steps(self.options.workdir) if first < s < last)
-        except CheckpointError:
-            return False
-
-    def _manifests_between(self, first: int, last: int) -> list[dict]:
-        """The manifests of the committed steps strictly between `first` and `last` (unreadable: skipped)."""
-        found = []
-        for other in committed_steps(self.options.workdir):
-            if first < other < last:
-                try:
-                    found.append(read_manifest(self.options.workdir, other))
-                except CheckpointError:
-                    continue
-        return found
-
-    def _state_mismatch(self, replayed, anchor_state, saved, manifest, program, exact) -> compare.Mismatch | None:
-        if exact:  # the replay's fingerprints against the ones taken at save time
-            actual = fingerprint_lib.fingerprint_tree(replayed)
-            for path, leaf in manifest["leaves"].items():
-                if actual.get(path) != leaf["fingerprint"]:
-                    return compare.Mismatch("leaf", path, leaf["fingerprint"], actual.get(path),
-                                            f"leaf {path} differs from the checkpoint (fingerprint "
-                                            f"{actual.get(path)} != saved {leaf['fingerprint']})")
-            return None
-        allowed = tolerances.state_tolerances(replayed, anchor_state, program.state_rtol, manifest["leaves"])
-        return compare.compare_leaves(replayed, saved, allowed)
 
     def _verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
                  max_difference=None, replayed_from=None, replayed=0, compared=0) -> dict:
@@ -281,11 +228,6 @@ def _intact_problem(step: int, state) -> compare.Mismatch | None:
 
 def _first_line(err: Exception) -> str:
     return str(err).splitlines()[0] if str(err) else ""
-
-
-def _init_origin(manifest: dict) -> str:
-    source = manifest.get("init_from")
-    return "the config's init" if not source else f"the params of step {source['step']} of {source['workdir']}"
 
 
 def _leaf_mismatch(err: Exception) -> dict:

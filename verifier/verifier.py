@@ -42,7 +42,7 @@ class Verifier(StepProofs):
         return self._pending_and_proved()[0]
 
     def _pending_and_proved(self) -> tuple[list[int], list[int]]:
-        """(committed steps without a complete verdict, committed reproduced steps), oldest first.
+        """(committed steps without a complete verdict, committed proved steps), oldest first.
 
         Reads the verdicts of committed steps only (retention bounds them), never every verdict a
         long run wrote; a set-aside step's verdict has moved out with it, and a verdict counts only
@@ -52,7 +52,7 @@ class Verifier(StepProofs):
         committed = committed_steps(self.options.workdir)
         found = verdicts.current_steps(self.options.workdir, committed)  # a replaced step's verdict is none
         pending = [step for step in committed if step not in found or not found[step]["complete"]]
-        return pending, [step for step in committed if verdicts.is_reproduced(found.get(step))]
+        return pending, [step for step in committed if verdicts.is_proved(found.get(step))]
 
     def verify_pending(self, max_steps: int | None = None) -> list[dict]:
         """Proves the pending steps (the oldest `max_steps` of them; None: all) once each, writes
@@ -91,10 +91,14 @@ class Verifier(StepProofs):
         for step, disk_anchor in plan:
             if step in self._held:  # popped: its state is released once proved
                 self._proving = step
+                held = self._held.pop(step)
                 try:
-                    verdict = self._prove(step, self._held.pop(step), disk_anchor)
+                    verdict = self._prove(step, held, disk_anchor)
                 finally:
                     self._proving = None
+                if verdict is None:  # its probe is still to come: held for the next pass
+                    self._held[step] = held
+                    continue
                 self._write(verdict)
                 written.append(verdict)
         return written

@@ -32,6 +32,11 @@ FOLLOW = flags.DEFINE_boolean("follow", False, "Verify steps as they are committ
 ONCE = flags.DEFINE_boolean("once", False, "Verify the pending steps and exit.")
 REPLAY_STEPS = flags.DEFINE_integer("replay_steps", 100, "Replay at most this many steps per checkpoint.",
                                     lower_bound=0)
+VERIFY_BUDGET = flags.DEFINE_float(
+    "verify_budget", 1.0, "The full proof's compute as a fraction of the training's: 1 replays every save "
+    "interval (the chain of trust back to the seed); 0.25 about every fourth; 0 only the final step's. The cheap "
+    "proof (a few steps from each checkpoint against what the trainer recorded after it) runs at every save "
+    "regardless.", lower_bound=0.0)
 UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this step is committed and verified.")
 POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between polls (doubles while idle).",
                                lower_bound=0.01)
@@ -54,6 +59,7 @@ def main(argv: list[str]) -> int:
     mesh = parse_mesh(MESH.value)
     check_mesh(mesh, jax.device_count())
     options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
+                              verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value)
     # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
     stop = threading.Event()

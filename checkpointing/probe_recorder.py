@@ -1,0 +1,99 @@
+"""The trainer's side of the cheap proof: records each persistent save's probe (checkpointing/probes.py).
+
+A window opens when a persistent save of S starts (or the run resumes from a persistent S), collects
+the losses of steps S .. S+k-1 as device scalars as they come, and at step S+k dispatches the state's
+per-leaf summaries (one jit, every process: it is a collective on the mesh). Nothing waits: a window is
+written by process 0 at a later step boundary, once S has committed and its values are on the host
+(`is_ready`), or at close. k is `probe_steps`, shortened by the run's end; 0 records none.
+"""
+
+import dataclasses
+
+import jax
+from absl import logging
+
+from checkpointing import probes
+from checkpointing import workdir as workdir_lib
+from checkpointing.errors import CheckpointError, one_line_cause
+
+
+@dataclasses.dataclass
+class _Window:
+    step: int  # the saved step
+    end: int  # the summary's step: S + k
+    losses: dict = dataclasses.field(default_factory=dict)  # step -> device scalar (or float)
+    summaries: object = None  # the on-device (sum, norm) tree, once dispatched
+    committed: bool = False
+
+
+class ProbeRecorder:
+    def __init__(self, workdir: str, probe_steps: int, end_step: int, mesh_shape: dict):
+        self._workdir = workdir
+        self._steps = probe_steps
+        self._end_step = end_step
+        self._mesh = dict(mesh_shape)
+        self._windows: list[_Window] = []
+        self._failed = False  # one warning per run for a probe that cannot be written
+
+    def saved(self, step: int, committed: bool = False) -> None:
+        """A persistent save of `step` started (committed=True: the run resumed from it)."""
+        end = min(step + self._steps, self._end_step)
+        if self._steps > 0 and end > step:
+            self._windows = [w for w in self._windows if w.step != step] + [_Window(step, end, committed=committed)]
+
+    def committed(self, step: int) -> None:
+        for window in self._windows:
+            if window.step == step:
+                window.committed = True
+
+    def add_loss(self, step: int, loss) -> None:
+        for window in self._windows:
+            if window.step <= step < window.end and loss is not None:
+                window.losses[step] = loss
+
+    def on_step(self, step: int, state) -> None:
+        """At a window's end, dispatches its summaries; then writes the windows that are ready."""
+        for window in self._windows:
+            if window.end == step and window.summaries is None:
+                window.summaries = probes.leaf_summaries(state)
+        self._write(ready_only=True)
+
+    def close(self) -> None:
+        """Writes every complete window (waiting for its values); drops the ones the run never reached."""
+        self._write(ready_only=False)
+        self._windows = []
+
+    def _write(self, ready_only: bool) -> None:
+        keep = []
+        for window in self._windows:
+            if window.summaries is None or not window.committed or (ready_only and not _ready(window)):
+                keep.append(window)
+                continue
+            if jax.process_index() == 0:
+                self._write_one(window)
+        self._windows = keep
+
+    def _write_one(self, window: _Window) -> None:
+        try:
+            if len(window.losses) != window.end - window.step:
+                missing = sorted(set(range(window.step, window.end)) - set(window.losses))
+                raise CheckpointError(f"losses of steps {missing} were not given to on_step")
+            existing = probes.read(self._workdir, window.step)
+            digest = workdir_lib.read_manifest(self._workdir, window.step)["digest"]
+            if existing is not None and existing["manifest_digest"] == digest:
+                return  # the attempt that saved it continued from its own state: the better witness
+            values = jax.device_get(dict(window.losses))
+            probes.write(self._workdir, probes.make(
+                step=window.step, manifest_digest=digest, losses={s: float(v) for s, v in values.items()},
+                summary_step=window.end, summaries=probes.to_host(window.summaries), mesh=self._mesh,
+                process_count=jax.process_count()))
+        except (CheckpointError, OSError) as err:  # a reader's file: never the run's failure
+            if not self._failed:
+                logging.warning("probe of step %d not recorded (%s); the verifier's cheap proof of it waits for none",
+                                window.step, one_line_cause(err))
+            self._failed = True
+
+
+def _ready(window: _Window) -> bool:
+    return all(leaf.is_ready() for leaf in jax.tree.leaves(window.summaries)) and all(
+        not hasattr(loss, "is_ready") or loss.is_ready() for loss in window.losses.values())

@@ -1,0 +1,121 @@
+"""Probes: what the trainer recorded a few steps after each persistent save, for the verifier's cheap proof.
+
+A checkpoint resumes the run if training on from it gives what the trainer itself computed after it.
+So, `probe_steps` steps after a persistent save of step S, the trainer records the losses of steps
+S .. S+k-1 and a per-leaf summary of its state at S+k: each leaf's sum and L2 norm, reduced on device
+inside one jit (two float32 scalars per leaf cross to the host, once per save). Process 0 writes them to
+`<workdir>/probes/<S>.json` once S has committed, naming S's manifest digest (a probe belongs to one
+save, like a verdict), atomically and durably (checkpointing/durable.py).
+
+The verifier replays those k steps from the checkpoint and compares (verifier/resume_proof.py). Across
+layouts the summaries need no tolerance of their own: |norm(a) - norm(b)| <= ||a - b|| and
+|sum(a) - sum(b)| <= sqrt(n) ||a - b||, so the per-leaf state rule (verifier/tolerances.py) bounds both.
+
+Fields: step, manifest_digest, losses {"<step>": float}, summary_step, summaries {path: [sum, norm]},
+mesh {"axis": size}, process_count, recorded_at.
+"""
+
+import datetime
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from checkpointing import compare, durable
+from checkpointing import workdir as workdir_lib
+from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
+
+_WARNED: set[str] = set()
+_REQUIRED = {"step": int, "manifest_digest": str, "losses": dict, "summary_step": int, "summaries": dict,
+             "mesh": dict, "process_count": int}
+
+
+def _leaf_summary(x: jax.Array) -> jax.Array:
+    """float32[2]: the leaf's sum and L2 norm (a typed key's words, integers and bools as numbers)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    x = x.astype(jnp.float32)  # no reshape: a leaf sharded over an explicit mesh axis cannot be flattened
+    return jnp.stack([jnp.sum(x), compare.norm(x)])
+
+
+@functools.lru_cache(maxsize=8)
+def _summary_fn(mesh: Mesh | None):
+    summarize = lambda tree: jax.tree.map(_leaf_summary, tree)
+    if mesh is None:
+        return jax.jit(summarize)
+    return jax.jit(summarize, out_shardings=NamedSharding(mesh, P()))  # replicated: any process reads them
+
+
+def leaf_summaries(tree):
+    """A tree of float32[2] (sum, norm) per leaf, replicated on the tree's mesh; dispatched, not waited for."""
+    return _summary_fn(getattr(jax.tree.leaves(tree)[0].sharding, "mesh", None))(tree)
+
+
+def to_host(summaries) -> dict[str, list[float]]:
+    """{key path: [sum, norm]} (one transfer)."""
+    flat = jax.tree_util.tree_flatten_with_path(summaries)[0]
+    values = np.asarray(jax.device_get([v for _, v in flat]), dtype=np.float64).reshape(-1, 2)
+    return {jax.tree_util.keystr(path): [float(v[0]), float(v[1])] for (path, _), v in zip(flat, values)}
+
+
+def make(*, step: int, manifest_digest: str, losses: dict[int, float], summary_step: int,
+         summaries: dict[str, list[float]], mesh: dict, process_count: int) -> dict:
+    probe = {"step": step, "manifest_digest": manifest_digest,
+             "losses": {str(s): float(v) for s, v in sorted(losses.items())}, "summary_step": summary_step,
+             "summaries": summaries, "mesh": dict(mesh), "process_count": process_count,
+             "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return validate(probe)
+
+
+def validate(probe, where: str = "probe") -> dict:
+    if not isinstance(probe, dict):
+        raise ManifestError(f"{where}: not a JSON object")
+    for field, kind in _REQUIRED.items():
+        if not isinstance(probe.get(field), kind) or isinstance(probe.get(field), bool):
+            raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}")
+    if sorted(int(s) for s in probe["losses"]) != list(range(probe["step"], probe["summary_step"])):
+        raise ManifestError(f"{where}: its losses are not those of steps {probe['step']}..{probe['summary_step'] - 1}")
+    return probe
+
+
+def losses(probe: dict) -> dict[int, float]:
+    return {int(s): float(v) for s, v in probe["losses"].items()}
+
+
+def write(workdir: str, probe: dict) -> None:
+    """Readers see no file or the whole one; on a local disk durably (fsync, rename, fsync the directory)."""
+    path = workdir_lib.probe_file(workdir, probe["step"])
+    text = json.dumps(probe, indent=1, sort_keys=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if durable.is_local(path):
+            durable.write_text(path, text)
+        else:
+            path.write_text(text)  # a GCS object appears whole or not at all
+    except OSError as err:
+        raise CheckpointError(f"probe of step {probe['step']}: cannot write {path}: {one_line_cause(err)}") from err
+
+
+def read(workdir: str, step: int) -> dict | None:
+    """The step's probe, or None: none written, or a damaged file (warned about once; counts as none)."""
+    path = workdir_lib.probe_file(workdir, step)
+    try:
+        return validate(json.loads(path.read_bytes().decode()), f"probe of step {step}")
+    except FileNotFoundError:
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError, ManifestError) as err:
+        if str(path) not in _WARNED:
+            _WARNED.add(str(path))
+            logging.warning("probe of step %d is damaged: %s: %s; its cheap proof waits for none", step, path,
+                            one_line_cause(err))
+        return None
+
+
+def for_save(workdir: str, step: int, digest: str | None) -> dict | None:
+    """The probe of the save of `step` whose manifest digest is `digest`, or None."""
+    probe = read(workdir, step)
+    return probe if probe is not None and digest is not None and probe["manifest_digest"] == digest else None
