@@ -3,9 +3,9 @@
   python -m launch.local --num_processes=N --devices_per_process=2 --module=benchmarks.scale_pod_child -- \
       --workdir=gs://B/run --out=DIR --emulator_url=URL [--state_mb=8]
 
-Each process runs the public `Checkpointer` as a training loop does: open (the lease on process
-0), restore_or_init (fresh), two saves through on_step, close; then a second Checkpointer that
-restores the newest step. The state is float32, sharded over every device of the pod, so each
+Each process runs the public `Checkpointer` as a training loop does, one phase each: open (the
+lease on process 0) and restore_or_init (fresh); four steps' on_step (saves at 2 and 4); close;
+then a second Checkpointer that restores the newest step. The state is float32, sharded over every device of the pod, so each
 process holds 1/N of it. Around each phase every process meets in a barrier of its own (outside
 the counts); process 0 reads the GCS-protocol server's request log there (tests/gcs_emulator.py).
 Each process counts the multi-host agreements it took part in, by wrapping (not replacing) the
@@ -124,19 +124,23 @@ def main(argv) -> None:
     state = make_state(mesh, _STATE_MB.value)
     phases, opened = Phases(), {}
 
-    def save_twice() -> None:
+    def open_fresh() -> None:
         ckpt = opened["trainer"] = open_checkpointer(mesh)
-        current = ckpt.restore_or_init(abstract(state), lambda: state).state
+        opened["state"] = ckpt.restore_or_init(abstract(state), lambda: state).state
+
+    def save_twice() -> None:  # on_step at every step, as a loop calls it; saves at 2 and 4 (async)
+        current = opened["state"]
         for step in range(1, TOTAL_STEPS + 1):
             current = {"weights": current["weights"], "step": step_counter(mesh, step)}
-            ckpt.on_step(step, current)
-        ckpt.close()
+            opened["trainer"].on_step(step, current)
 
     def restore() -> None:
         with open_checkpointer(mesh) as ckpt:
             opened["restored_step"] = ckpt.restore_or_init(abstract(state), lambda: state).step
 
-    phases.run("open + 2 saves + close", save_twice)
+    phases.run("open (fresh)", open_fresh)
+    phases.run("2 saves", save_twice)
+    phases.run("close (last commit)", lambda: opened["trainer"].close())
     phases.run("open + restore", restore)
     os.makedirs(_OUT.value, exist_ok=True)
     result = {"process": jax.process_index(), "processes": jax.process_count(),

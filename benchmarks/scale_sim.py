@@ -8,7 +8,7 @@ request log counts every request, its kind and its bytes):
               run by --hosts simulated processes (threads with their own storage clients), on gs://
               and on a local disk
   real pods   --pod_processes real JAX processes (launch/local.py, gloo) each running the public
-              Checkpointer: open, two saves, close, then open + restore (benchmarks/scale_pod_child.py);
+              Checkpointer: open, four steps saving two, close, then open + restore (benchmarks/scale_pod_child.py);
               requests split by whose objects they touch (Orbax's `process_<i>` files) and the
               agreements (collectives, barriers) every process took part in
 
