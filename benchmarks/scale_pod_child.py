@@ -5,13 +5,14 @@
 
 Each process runs the public `Checkpointer` as a training loop does, one phase each: open (the
 lease on process 0) and restore_or_init (fresh); four steps' on_step (saves at 2 and 4); close;
-then a second Checkpointer that restores the newest step. The state is float32, sharded over
-every device of the pod, so each process holds 1/N of it. Around each phase every process meets in a barrier of its own (outside
-the counts); process 0 reads the GCS-protocol server's request log there (tests/gcs_emulator.py).
-Each process counts the multi-host agreements it took part in, by wrapping (not replacing) the
-calls that make them: JAX's device collectives (multihost_utils: broadcast, allgather, barrier),
-the per-step preemption sync point, and Orbax's coordination-service barriers. Every process writes
-DIR/<process>.json; process 0 adds the request log of each phase.
+then a second Checkpointer that restores the newest step. The state is float32, sharded over every
+device of the pod, so each process holds 1/N of it. Around each phase every process meets in a
+barrier of its own (outside the counts); process 0 reads the GCS-protocol server's request log
+there (tests/gcs_emulator.py). Each process counts the multi-host agreements it took part in, by
+wrapping (not replacing) the calls that make them: JAX's device collectives (multihost_utils:
+broadcast, allgather, barrier), the per-step preemption sync point, and Orbax's coordination-
+service barriers. Every process writes DIR/<process>.json; process 0 adds the request log of each
+phase.
 """
 
 import collections
