@@ -11,10 +11,14 @@ emulator unchanged (in memory, one request at a time, so a check-then-write is a
 """
 
 import argparse
+import http.server
+import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from http import HTTPStatus
 
@@ -57,6 +61,78 @@ def _honouring_preconditions(handler):
     return handle
 
 
+_LOG: list[dict] = []  # the emulator serves one request at a time: no lock needed
+
+
+def _operation(method: str, path: str, query: dict) -> tuple[str, str]:
+    """(kind, object name or listed prefix) of a GCS request, for the request log."""
+    kind = {"DELETE": "delete", "PATCH": "patch", "PUT": "write"}.get(method, "other")
+    name = ""
+    match = re.search(r"/b/[^/]+/o(?:/(.*))?$", path)
+    if match:
+        name = urllib.parse.unquote(match.group(1) or "")
+        if method == "GET":
+            kind = "read" if "download" in path or query.get("alt") == ["media"] else "get" if name else "list"
+            name = name or query.get("prefix", [""])[0]
+        elif method == "POST":
+            kind = "write" if path.startswith("/upload") else "copy" if name else "other"
+            name = name or query.get("name", [""])[0]
+    elif method == "POST" and "batch" in path:
+        kind = "batch"
+    elif method in ("GET", "PUT") and path.count("/") >= 2:  # XML API: /bucket/object
+        kind = "read" if method == "GET" else "write"
+        name = urllib.parse.unquote(path.split("/", 2)[2])
+    return kind, name
+
+
+def _logging_requests(handle):
+    """Router.handle, recording each answered request in _LOG (the log's own endpoint aside)."""
+
+    def logged(router, method):
+        handler = router._request_handler
+        handler.logged_bytes_in = 0
+        handle(router, method)
+        url = urllib.parse.urlparse(handler.path)
+        if url.path == "/requests":
+            return
+        kind, name = _operation(method, url.path, urllib.parse.parse_qs(url.query))
+        _LOG.append({"op": kind, "method": method, "name": name, "status": getattr(handler, "logged_status", 0),
+                     "bytes_in": handler.logged_bytes_in, "bytes_out": getattr(handler, "logged_bytes_out", 0)})
+
+    return logged
+
+
+def _closing_with_size(close):
+    def close_and_note(response):
+        content = response._content
+        response._handler.logged_bytes_out = len(content.encode() if isinstance(content, str) else content)
+        response._handler.logged_status = response.status.value
+        close(response)
+
+    return close_and_note
+
+
+def _reading_body_size(read):
+    def read_and_note(request_handler):
+        body = read(request_handler)
+        request_handler.logged_bytes_in = len(body or b"")  # chunked uploads carry no Content-Length
+        return body
+
+    return read_and_note
+
+
+def _requests(request, response, storage):
+    response.json(list(_LOG))
+    if request.query.get("clear"):
+        _LOG.clear()
+
+
+def request_log(url: str, *, clear: bool = False) -> list[dict]:
+    """The requests the server at `url` answered since its log was last cleared (see the docstring)."""
+    with urllib.request.urlopen(f"{url}/requests{'?clear=1' if clear else ''}", timeout=30) as answer:
+        return json.load(answer)
+
+
 def start(bucket: str, *, cwd: str, env: dict[str, str] | None = None, output=subprocess.DEVNULL,
           new_session: bool = False, timeout: float = 30) -> tuple[subprocess.Popen, dict[str, str]]:
     """This server on a free port of 127.0.0.1, answering: (its process, which the caller stops by PID,
@@ -97,6 +173,13 @@ def main() -> None:
         for method, handler in handlers.items():
             if handler in replacements:
                 handlers[method] = replacements[handler]
+    # Real GCS accepts every connection; the stdlib's backlog of 5 would drop some of many concurrent
+    # clients' connections for a second's retransmit (benchmarks/scale_sim.py runs 64).
+    http.server.HTTPServer.request_queue_size = 256
+    server.HANDLERS = ((r"^/requests$", {"GET": _requests}), *server.HANDLERS)
+    server._read_raw_data = _reading_body_size(server._read_raw_data)
+    server.Router.handle = _logging_requests(server.Router.handle)
+    server.Response.close = _closing_with_size(server.Response.close)
     server.create_server("127.0.0.1", args.port, in_memory=True, default_bucket=args.bucket).run()
 
 

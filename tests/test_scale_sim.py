@@ -1,0 +1,71 @@
+"""The multi-host protocol's scaling claims (docs/performance.md, "At scale"), on request counts.
+
+The service's own pieces (benchmarks/scale_protocol.py: the lease, the listing of committed steps,
+the verdict listing, the save's and restore's per-process reads) run with 4 and then 32 simulated
+processes (threads with their own storage clients) against the GCS-protocol server
+(tests/gcs_emulator.py counts every request) and a local disk. A piece that becomes O(hosts) per
+host grows 8x between the two and fails here; times are not compared.
+"""
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMALL, LARGE = 4, 32
+STEPS = 3  # committed steps in the workdir
+LEASE_PIECES = ("lease_acquire", "lease_renewal", "lease_check", "lease_holder")  # one caller, exact requests
+# Through gcsfs, whose existence checks race a get against a list and may skip the list: a request's jitter.
+JITTERY_PIECES = ("verdict_listing", "save_check", "listing", "manifest_read")
+
+
+def _simulate(workdir_base: str, counter_for) -> dict[int, dict]:
+    from benchmarks import scale_protocol
+
+    measured = {}
+    for hosts in (SMALL, LARGE):  # a fresh workdir each: the lease's history is the same for both
+        workdir = f"{workdir_base}-{hosts}"
+        scale_protocol.make_workdir(workdir, STEPS, verified=STEPS - 1)
+        measured[hosts] = {row.piece: row for row in scale_protocol.simulate(workdir, hosts, counter_for)}
+    return measured
+
+
+def _assert_scaling(measured: dict[int, dict]) -> None:
+    small, large = measured[SMALL], measured[LARGE]
+    for piece in LEASE_PIECES:  # process 0 (or one reader) whatever the pod's size: the same requests
+        assert small[piece].callers == large[piece].callers == 1
+        assert large[piece].requests == small[piece].requests, (
+            f"{piece}: {small[piece].requests} requests with {SMALL} hosts, {large[piece].requests} with {LARGE}")
+    assert small["verdict_listing"].callers == large["verdict_listing"].callers == 1
+    for piece in ("save_check", "listing", "manifest_read"):
+        assert large[piece].callers == LARGE and small[piece].callers == SMALL
+    for piece in JITTERY_PIECES:  # each caller's requests are O(1): at most a request's jitter, never 8x
+        per_small, per_large = small[piece].per_caller, large[piece].per_caller
+        assert not (per_large > per_small * 1.25 + 1), (
+            f"{piece}: {per_small:g} requests per process with {SMALL} hosts, {per_large:g} with {LARGE}")
+
+
+def test_on_gcs_no_piece_grows_per_host_and_the_primary_pieces_are_constant(gcs_env):
+    from benchmarks import scale_protocol
+    from tests import helpers
+
+    url = gcs_env["STORAGE_EMULATOR_HOST"]
+    measured = _simulate(helpers.gs_workdir("scale"), lambda threads: scale_protocol.GcsRequests(url))
+    _assert_scaling(measured)
+    for hosts, rows in measured.items():
+        assert rows["lease_renewal"].by_op == {"list": 1, "read": 1, "write": 1}, "a renewal: list, read, rewrite"
+        assert rows["lease_check"].by_op == {"list": 1, "read": 1}, "the check before a save: list, read"
+        # One pass over the committed steps: the directory, then each step's commit marker; the hosts
+        # do not appear in it, the retained steps do.
+        listing = rows["listing"]
+        assert not (listing.per_caller > 4 + 3 * STEPS), f"{hosts} hosts: {listing.per_caller:g} requests per listing"
+        assert listing.by_op["list"] >= hosts, "every process lists the checkpoints once"
+
+
+def test_on_a_local_disk_each_process_lists_once_and_reads_one_manifest(tmp_path):
+    from benchmarks import scale_protocol
+
+    measured = _simulate(str(tmp_path / "run"), scale_protocol.AuditedCalls)
+    _assert_scaling(measured)
+    for hosts, rows in measured.items():
+        assert rows["listing"].by_op == {"os.listdir": hosts}, "one directory listing per process"
+        assert rows["manifest_read"].by_op == {"open": hosts}, "one open of the manifest per process"
