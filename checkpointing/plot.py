@@ -13,8 +13,8 @@ of steps below N) is drawn at x = N, where the losses it holds end, at the heigh
   checkpoints   one point per committed step, coloured by the verifier's verdict
   preemptions   the steps saved with reason `preemption`
   resumes       where each attempt after the first started, with its layout and tier
-  crashes       where an attempt ended unsaved (its last logged step + 1): the next attempt did
-                not start at a preemption or final checkpoint that ends it
+  crashes       where an attempt ended (its last logged step + 1) when the next attempt did not
+                start at a preemption or final checkpoint that ends it: a crash, a kill, a rollback
   evals         the eval loss of each step that has one
 `proof_series(run, reference, tolerance)` prepares the second panel: each step's relative
 difference to an uninterrupted reference run, exact zeros on a marked floor.

@@ -20,8 +20,7 @@ import sys
 from absl import flags
 
 from checkpointing import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table, plot_series,
-                           read_history, read_manifest, reference_loss, table_rows)
-from checkpointing.plot import proof_series
+                           proof_series, read_history, read_manifest, reference_loss, table_rows)
 from runtime import entry
 from trainer import models
 
