@@ -210,6 +210,7 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
     ran = max(config.steps - start.step, 0)
     result = TrainResult(losses=loss_log.losses, state=state, steps_per_sec=ran / max(elapsed, 1e-9))
     if jax.process_index() == 0 and ran:
-        logging.info("done: steps %d..%d, final loss (step %d) %.6f, %.2f steps/s", start.step, config.steps - 1,
-                     config.steps - 1, result.losses[config.steps - 1], result.steps_per_sec)
+        # "steps 0..20": the counter went from 0 to 20; the final loss is step 19's (the update 19 -> 20).
+        logging.info("done: steps %d..%d, final loss %.6f, %.2f steps/s", start.step, config.steps,
+                     result.losses[config.steps - 1], result.steps_per_sec)
     return result
