@@ -2,6 +2,9 @@
 
 Nothing here computes what is drawn (plot.py does, and tests read it there). Text never sits on
 the curves: every description is a legend entry, and the legend stands outside the axes.
+
+The loss of step s is drawn as a level over [s, s + 1) (the update s -> s + 1), so checkpoint N's
+last loss ends exactly at x = N, where its marker sits, and the eval of step N starts there.
 """
 
 import io
@@ -12,6 +15,13 @@ from etils import epath
 from checkpointing.plot import Proof, Series
 
 LAYOUT_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink")
+
+
+def _levels(steps: list[int], values: list[float]) -> tuple[list[float], list[float]]:
+    """Points for drawstyle="steps-post": each value held over [s, s + 1), the last one included."""
+    if not steps:
+        return [], []
+    return list(steps) + [steps[-1] + 1], list(values) + [values[-1]]
 
 
 def _origin(attempt) -> str:
@@ -31,12 +41,13 @@ def _shade(axes, run: Series, labelled: bool) -> None:
 
 
 def _events(axes, run: Series, crash_label: str, labelled: bool) -> None:
-    """Resumes first and preemptions last (wider), so a preemption and the resume at its step both show."""
+    """A resume marks the lower half of the axes and a crash the upper half, so both show where an
+    attempt resumes at the step its predecessor crashed; a preemption spans the whole height."""
     for index, resume in enumerate(run.resumes):
-        axes.axvline(resume.step, color="tab:purple", linestyle="--", linewidth=1.0,
+        axes.axvline(resume.step, ymax=0.5, color="tab:purple", linestyle="--", linewidth=1.4,
                      label="resume (an attempt starts)" if labelled and index == 0 else None)
     for index, step in enumerate(run.crashes):
-        axes.axvline(step, color="black", linestyle="-.", linewidth=1.2,
+        axes.axvline(step, ymin=0.5, color="black", linestyle="-.", linewidth=1.4,
                      label=f"{crash_label} (after its last logged step)" if labelled and index == 0 else None)
     for index, step in enumerate(run.preemptions):
         axes.axvline(step, color="tab:red", linestyle=":", linewidth=2.2,
@@ -46,15 +57,17 @@ def _events(axes, run: Series, crash_label: str, labelled: bool) -> None:
 def _loss_panel(axes, run: Series, reference, crash_label: str) -> None:
     _shade(axes, run, labelled=True)
     if reference is not None:  # wide and pale underneath: visible beside the run, and under it where equal
-        axes.plot(*reference, color="0.55", linewidth=4.0, alpha=0.55, solid_capstyle="butt",
+        axes.plot(*_levels(*reference), drawstyle="steps-post", color="0.55", linewidth=4.0, alpha=0.55,
                   label="uninterrupted reference run", zorder=2)
-    axes.plot(run.loss_steps, run.loss_values, color="tab:blue", linewidth=1.2, label="loss (history)", zorder=3)
+    axes.plot(*_levels(run.loss_steps, run.loss_values), drawstyle="steps-post", color="tab:blue", linewidth=1.2,
+              label="loss (history)", zorder=3)
     history = dict(zip(run.loss_steps, run.loss_values))
     shown = False
     for attempt in run.attempts:  # what an attempt computed that a later one recomputed (lost work)
         lost = [(s, v) for s, v in zip(attempt.steps, attempt.losses) if history.get(s) != v]
         if lost:
-            axes.plot(*zip(*lost), color="tab:orange", linestyle=":", linewidth=1.4, zorder=3,
+            axes.plot(*_levels(*map(list, zip(*lost))), drawstyle="steps-post", color="tab:orange", linestyle=":",
+                      linewidth=1.4, zorder=3,
                       label=None if shown else "an attempt's losses later recomputed")
             shown = True
     verdicts_shown = set()
@@ -75,13 +88,13 @@ def _loss_panel(axes, run: Series, reference, crash_label: str) -> None:
 
 def _proof_panel(axes, run: Series, proof: Proof, crash_label: str) -> None:
     _shade(axes, run, labelled=False)
-    axes.plot(proof.steps, proof.plotted, color="tab:blue", linewidth=0.8, marker=".", markersize=4, zorder=3,
-              label="|resumed - uninterrupted| / |uninterrupted|")
+    axes.plot(*_levels(proof.steps, proof.plotted), drawstyle="steps-post", color="tab:blue", linewidth=0.9,
+              zorder=3, label="|resumed - uninterrupted| / |uninterrupted|")
     exact = [s for s, d in zip(proof.steps, proof.differences) if d == 0]
     axes.axhline(proof.floor, color="tab:green", linewidth=1.0, zorder=2,
                  label=f"exact: 0 (drawn at {proof.floor:.0e}), {len(exact)} of {len(proof.steps)} steps")
-    if exact:
-        axes.scatter(exact, [proof.floor] * len(exact), color="tab:green", s=14, zorder=4)
+    if exact:  # at the middle of the step's level
+        axes.scatter([s + 0.5 for s in exact], [proof.floor] * len(exact), color="tab:green", s=14, zorder=4)
     if proof.tolerance > 0:
         axes.axhline(proof.tolerance, color="tab:red", linestyle="--", linewidth=1.2, zorder=2,
                      label=f"tolerance {proof.tolerance:g} (another layout)")
@@ -111,8 +124,8 @@ def draw(run: Series, path: str, *, title: str, reference=None, proof: Proof | N
     if proof_axes is not None:
         _proof_panel(proof_axes, run, proof, crash_label)
         proof_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
-    (proof_axes or loss_axes).set_xlabel("step (the loss of step s is computed by the update s -> s+1; "
-                                         "checkpoint N is drawn at N)")
+    (proof_axes or loss_axes).set_xlabel("step (the loss of step s, computed by the update s -> s+1, is drawn "
+                                         "over [s, s+1); checkpoint N at N)")
     buffer = io.BytesIO()
     figure.savefig(buffer, format=path.rsplit(".", 1)[-1].lower())
     epath.Path(path).write_bytes(buffer.getvalue())

@@ -156,8 +156,8 @@ def run_demo(root: str, steps: int, save_every_steps: int, model: str) -> bool:
 
     sys.stdout.write(report(run, reference, preempted_at, model) + "\n")
     picture = os.path.join(root, "run.png")
-    draw_picture(run, reference, picture, title=f"demo {os.path.basename(os.path.normpath(root))}: the job "
-                 "crashed, resumed from its local tier, preempted, resumed on another layout", model=model)
+    draw_picture(run, reference, picture, title=f"{os.path.basename(os.path.normpath(root))}: the job crashed, "
+                 "resumed from its local tier, was preempted, resumed on another layout", model=model)
     sys.stdout.write(f"PICTURE: {picture} (loss against step; checkpoints by verdict, the preemption, the resume)\n")
     return ok and equal_loss_lists(run, reference, preempted_at, model)[0]
 
