@@ -12,7 +12,7 @@ from trainer.metrics import PHASES, parse_phases
 
 PREEMPTED_AT = re.compile(r"preempted at step (\d+)")
 RESUMED_FROM = re.compile(r"resumed from step (\d+)")
-LOGGED_STEP = re.compile(r"\] step (\d+) loss ")  # the progress line, every --log_every_steps
+LOGGED_STEP = re.compile(r"\] step (\d+) loss ")  # the progress line (the loss of step s: s + 1 steps done)
 HANDED_OFF = re.compile(r"^\[0\] .*checkpoint: (local )?step \d+ \(\w+\) handed off in (\d+\.\d+)s", re.M)
 FIRST_STEP_AT = re.compile(r"^\[0\] I\d{4} (\d\d):(\d\d):(\d\d\.\d+) .*\] phase first_step ", re.M)
 
@@ -39,7 +39,8 @@ def summarise(variant: str, wall: float, launches: list[tuple[int, str]], workdi
     restarts, recomputed = [], []
     for (_, before), (launched_at, after) in zip(launches, launches[1:]):
         # Killed: the newest logged step (within --log_every_steps of the step the pod reached).
-        reached = [int(s) for s in PREEMPTED_AT.findall(before) or LOGGED_STEP.findall(before)]
+        reached = ([int(s) for s in PREEMPTED_AT.findall(before)]
+                   or [int(s) + 1 for s in LOGGED_STEP.findall(before)])
         resumed = [int(s) for s in RESUMED_FROM.findall(after)] or [0]
         if reached:  # else the SIGTERM came before training: no step was lost, the start-up was
             recomputed.append(max(reached) - resumed[0])

@@ -1,23 +1,32 @@
-"""A picture of a run: the loss against the step, from the committed checkpoints' manifests.
+"""A picture of a run: the loss against the step over the whole history, and the proof beside it.
 
-`series(workdir)` prepares everything the picture shows (and nothing else is drawn):
-  loss          every recorded per-step loss, (steps, values)
-  checkpoints   one point per committed step at its loss, coloured by the verifier's verdict
+One numbering (docs/training.md#step-numbering): x is the state's step counter. The loss of step
+s (the update s -> s + 1) is drawn at x = s; checkpoint N (the state at counter N, holding losses
+of steps below N) is drawn at x = N, where the losses it holds end, at the height of its last one
+(step N - 1); preemptions, resumes and crashes are drawn at the counter they happened at.
+
+`series(workdir)` prepares everything the loss panel shows (and nothing else is drawn):
+  loss          the run's history (checkpointing/history.py: metrics.jsonl and the manifests,
+                whatever retention deleted), (steps, values)
+  attempts      each start of the job with the losses it recorded (a resume recomputes steps
+                a crash lost: both attempts are drawn)
+  checkpoints   one point per committed step, coloured by the verifier's verdict
   preemptions   the steps saved with reason `preemption`
-  resumes       where a new process group took over: after each preemption, and wherever the
-                mesh or the process count changes, with the mesh it resumed on
-`draw(...)` renders it with matplotlib's non-interactive Agg backend, as PNG or SVG by the
-file's extension.
+  resumes       where each attempt after the first started, with its layout and tier
+  crashes       where an attempt ended (its last logged step + 1) when the next attempt did not
+                start at a preemption or final checkpoint that ends it: a crash, a kill, a rollback
+  evals         the eval loss of each step that has one
+`proof_series(run, reference, tolerance)` prepares the second panel: each step's relative
+difference to an uninterrupted reference run, exact zeros on a marked floor.
+`draw(...)` (checkpointing/plot_draw.py) renders them with matplotlib's Agg backend, PNG or SVG.
 """
 
 import dataclasses
-import io
+import math
 
-from etils import epath
-
-from checkpointing.config import format_mesh
-from checkpointing import manifest as manifest_lib
 from checkpointing import verdicts
+from checkpointing.config import format_mesh
+from checkpointing.history import Attempt, read_history
 from checkpointing.workdir import committed_steps, read_manifest
 
 FORMATS = (".png", ".svg")
@@ -27,10 +36,17 @@ VERDICT_COLOURS = {"reproduced pass": "tab:green", "replayed pass": "tab:olive",
 
 @dataclasses.dataclass
 class Checkpoint:
-    step: int
-    loss: float | None  # the loss recorded for the step just before it (the state's last update)
+    step: int  # drawn at x = step
+    loss: float | None  # its last loss: step - 1's (the update that made this state)
     verdict: str  # verdicts.summary(...)
     colour: str
+
+
+@dataclasses.dataclass
+class Resume:
+    step: int  # the counter the attempt started at
+    layout: str  # "data=8,model=1 (4 processes)"
+    tier: str | None  # "local", "persistent" (None: not recorded)
 
 
 @dataclasses.dataclass
@@ -39,7 +55,35 @@ class Series:
     loss_values: list[float]
     checkpoints: list[Checkpoint]
     preemptions: list[int]
-    resumes: list[tuple[int, str]]  # (step, "data=8 (4 processes)")
+    resumes: list[Resume]
+    attempts: list[Attempt] = dataclasses.field(default_factory=list)
+    crashes: list[int] = dataclasses.field(default_factory=list)
+    eval_steps: list[int] = dataclasses.field(default_factory=list)
+    eval_values: list[float] = dataclasses.field(default_factory=list)
+
+    def spans(self) -> list[tuple[int, int, Attempt]]:
+        """[start, end) of the steps whose history each attempt holds (the next attempt's start ends it)."""
+        starts = [a.first_step for a in self.attempts]
+        end_of_run = (self.loss_steps[-1] + 1) if self.loss_steps else 0
+        spans = []
+        for index, attempt in enumerate(self.attempts):
+            if starts[index] is None:
+                continue
+            end = next((s for s in starts[index + 1:] if s is not None), None)
+            end = end if end is not None else max(end_of_run, (attempt.last_step or 0) + 1)
+            spans.append((starts[index], end, attempt))
+        return spans
+
+
+@dataclasses.dataclass
+class Proof:
+    steps: list[int]  # the steps both runs recorded
+    differences: list[float]  # |run - reference| / |reference| (0 where equal; inf where reference is 0)
+    plotted: list[float]  # what the log-scale panel draws: exact zeros at `floor`, NaN/inf at `ceiling`
+    floor: float
+    ceiling: float
+    tolerance: float
+    exact_steps: list[int]  # the steps bit-identical to the reference
 
 
 def colour_of(verdict: dict | None) -> str:
@@ -50,65 +94,89 @@ def colour_of(verdict: dict | None) -> str:
     return VERDICT_COLOURS[f"{verdict['level']} pass"]
 
 
+def _manifest_resumes(manifests: dict[int, dict]) -> list[Resume]:
+    """Resumes where no attempt recorded its layout: after each preemption, and where the layout changes."""
+    resumes, previous = [], None
+    for step in sorted(manifests):
+        manifest = manifests[step]
+        if previous is not None and (previous["reason"] == "preemption" or previous["mesh"] != manifest["mesh"]
+                                     or previous["process_count"] != manifest["process_count"]):
+            resumed = (manifest.get("extra") or {}).get("resumed_from") or {}
+            resumes.append(Resume(previous["step"],
+                                  f"{format_mesh(manifest['mesh'])} ({manifest['process_count']} processes)",
+                                  resumed.get("tier")))
+        previous = manifest
+    return resumes
+
+
+def _crashes(attempts: list[Attempt], clean_ends: set[int]) -> list[int]:
+    """Where an attempt ended unsaved: the next one did not start at a preemption or final save that
+    ends it (what it logged after its last commit was lost and recomputed)."""
+    crashes = []
+    for attempt, following in zip(attempts, attempts[1:]):
+        end = attempt.last_step + 1 if attempt.steps else attempt.first_step
+        if end is None or following.first_step is None:
+            continue
+        if not (following.first_step == end and end in clean_ends):
+            crashes.append(end)
+    return crashes
+
+
 def series(workdir: str) -> Series:
-    """Reads the committed manifests (and their verdicts) of `workdir` once."""
+    """Reads the committed manifests (and their verdicts) and metrics.jsonl of `workdir` once."""
     steps = committed_steps(workdir)
     manifests = {step: read_manifest(workdir, step) for step in steps}
     found = verdicts.read_steps(workdir, steps)
-    losses: dict[int, float] = {}
-    for manifest in manifests.values():
-        losses.update(manifest_lib.losses(manifest))
-    checkpoints, preemptions, resumes = [], [], []
-    previous = None
-    for step in steps:
-        manifest = manifests[step]
-        checkpoints.append(Checkpoint(step, losses.get(step - 1), verdicts.summary(found.get(step)),
-                                      colour_of(found.get(step))))
-        if manifest["reason"] == "preemption":
-            preemptions.append(step)
-        if previous is not None and (previous["reason"] == "preemption" or previous["mesh"] != manifest["mesh"]
-                                     or previous["process_count"] != manifest["process_count"]):
-            resumes.append((previous["step"],
-                            f"{format_mesh(manifest['mesh'])} ({manifest['process_count']} processes)"))
-        previous = manifest
-    ordered = sorted(losses)
-    return Series(ordered, [losses[s] for s in ordered], checkpoints, preemptions, resumes)
+    history = read_history(workdir, manifests)
+    losses = history.losses
+    checkpoints = [Checkpoint(step, losses.get(step - 1), verdicts.summary(found.get(step)), colour_of(found.get(step)))
+                   for step in steps]
+    preemptions = [step for step in steps if manifests[step]["reason"] == "preemption"]
+    if history.attempts and all(a.layout for a in history.attempts):
+        resumes = [Resume(a.first_step, a.layout, a.tier) for a in history.attempts[1:] if a.first_step is not None]
+    else:
+        resumes = _manifest_resumes(manifests)
+    evals = {s: v["eval_loss"] for s, v in history.evals.items() if "eval_loss" in v}
+    return Series(list(losses), list(losses.values()), checkpoints, preemptions, resumes, history.attempts,
+                  _crashes(history.attempts, {s for s in steps if manifests[s]["reason"] in ("preemption", "final")}),
+                  list(evals), list(evals.values()))
 
 
 def reference_loss(workdir: str) -> tuple[list[int], list[float]]:
-    s = series(workdir)
-    return s.loss_steps, s.loss_values
+    """The whole history of a reference run, (steps, losses)."""
+    losses = read_history(workdir).losses
+    return list(losses), list(losses.values())
 
 
-def draw(run: Series, path: str, *, title: str, reference: tuple[list[int], list[float]] | None = None) -> None:
-    """Writes the picture to `path` (local or gs://), PNG or SVG by its extension."""
-    import matplotlib
+def relative_difference(value: float, reference: float) -> float:
+    if value == reference:
+        return 0.0
+    if reference == 0.0:
+        return math.inf
+    return abs(value - reference) / abs(reference)  # NaN stays NaN
 
-    matplotlib.use("Agg")  # no display: a file only
-    from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 5), layout="constrained")
-    axes = figure.add_subplot()
-    if reference is not None:
-        axes.plot(*reference, color="tab:gray", linewidth=1.0, linestyle="--", label="reference run")
-    axes.plot(run.loss_steps, run.loss_values, color="tab:blue", linewidth=1.2, label="loss")
-    shown = set()
-    for point in (c for c in run.checkpoints if c.loss is not None):
-        label = None if point.verdict in shown else f"checkpoint: {point.verdict}"
-        shown.add(point.verdict)
-        axes.scatter([point.step - 1], [point.loss], color=point.colour, s=36, zorder=3, label=label,
-                     edgecolors="black", linewidths=0.5)
-    for index, step in enumerate(run.preemptions):
-        axes.axvline(step, color="tab:red", linestyle=":", label="preemption" if index == 0 else None)
-    for step, mesh in run.resumes:
-        axes.annotate(f"resumed on {mesh}", xy=(step, 0.02), xycoords=("data", "axes fraction"), rotation=90,
-                      va="bottom", ha="right", fontsize=8, color="tab:purple")
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    if run.loss_values and min(run.loss_values) > 0:
-        axes.set_yscale("log")
-    axes.set_title(title)
-    axes.legend(loc="upper right", fontsize=8, framealpha=0.8)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format=path.rsplit(".", 1)[-1].lower())
-    epath.Path(path).write_bytes(buffer.getvalue())
+def proof_series(run: Series, reference: tuple[list[int], list[float]], tolerance: float) -> Proof:
+    """Each step's |run - reference| / |reference| over the steps both recorded. The log scale cannot
+    show 0, so exact zeros go on a floor two decades below the smallest nonzero difference (or the
+    tolerance), and NaN/inf on a ceiling a decade above the largest (both drawn as marked lines)."""
+    expected = dict(zip(*reference))
+    steps = [s for s in run.loss_steps if s in expected]
+    values = dict(zip(run.loss_steps, run.loss_values))
+    differences = [relative_difference(values[s], expected[s]) for s in steps]
+    finite = [d for d in differences if math.isfinite(d)]
+    nonzero = [d for d in finite if d > 0] + ([tolerance] if tolerance > 0 else [])
+    # Decades by log10 with a hair of slack: 1e-4 computed as 1.00000000000006e-4 is still decade -4.
+    floor = 10.0 ** (math.floor(math.log10(min(nonzero)) + 1e-9) - 2) if nonzero else 1e-12
+    ceiling = 10.0 ** (math.ceil(math.log10(max(finite + [tolerance, floor])) - 1e-9) + 1)
+    plotted = [floor if d == 0 else (d if math.isfinite(d) else ceiling) for d in differences]
+    return Proof(steps, differences, plotted, floor, ceiling, tolerance,
+                 [s for s, d in zip(steps, differences) if d == 0])
+
+
+def draw(run: Series, path: str, *, title: str, reference: tuple[list[int], list[float]] | None = None,
+         proof: Proof | None = None, crash_label: str = "crash") -> None:
+    """Writes the picture to `path` (local or gs://), PNG or SVG by its extension (plot_draw.py)."""
+    from checkpointing import plot_draw
+
+    plot_draw.draw(run, path, title=title, reference=reference, proof=proof, crash_label=crash_label)

@@ -14,11 +14,16 @@ another layout and is verified.
 5. The verifier, its own process on data=2, proves every checkpoint.
 It prints one row per checkpoint (step, how it was committed, the run it resumed, the verdict) and
 a last line saying whether the resumed loss list equals the uninterrupted run's, then draws the run
-into <workdir>/run.png (as `trainer.inspect --plot` does) and prints its path. Each pod's output is
-in <workdir>/logs/. Exit 0 if everything held, 1 otherwise.
+into <workdir>/run.png (as `trainer.inspect --plot --reference` does: each attempt shaded by
+layout, the SIGKILL, the resumes, the preemption, and a second panel with each step's relative
+difference to the uninterrupted run against the tolerance) and prints its path. Each pod's output
+is in <workdir>/logs/. Exit 0 if everything held, 1 otherwise.
 """
 
+import dataclasses
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -43,28 +48,61 @@ SAVE_EVERY_STEPS = flags.DEFINE_integer("save_every_steps", 50, "Checkpoint cade
 MODEL = flags.DEFINE_string("model", "mlp", "Model to train: mlp, transformer or package.module:name "
                             "naming a trainer.models.ModelSpec.")
 
-TRAIN_FLAGS = ["--batch_size=32", "--log_every_steps=25", "--max_to_keep=100"]
+# Losses reach metrics.jsonl every 5 steps, so the picture shows how far the crashed attempt got.
+TRAIN_FLAGS = ["--batch_size=32", "--log_every_steps=5", "--max_to_keep=100"]
+POD_CODES = re.compile(r"pod exit codes \[([-\d, ]*)\] -> (-?\d+)")
+POD_CODE_MEANINGS = {exit_codes.OK: "success", exit_codes.PREEMPTED: "requeue me", exit_codes.FAILURE: "failure",
+                     exit_codes.BAD_INPUT: "bad input"}
+
+
+@dataclasses.dataclass
+class Launched:
+    proc: subprocess.Popen  # the launcher
+    log_path: str  # its output, where it says how each process ended
 
 
 def _pod(num_processes: int, devices_per_process: int, module: str, flags_: list[str], log_path: str):
     command = [sys.executable, "-m", "launch.local", f"--num_processes={num_processes}",
                f"--devices_per_process={devices_per_process}", f"--module={module}", "--", *flags_]
-    return subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    return Launched(subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT), log_path)
 
 
-def _run(step_name: str, proc: subprocess.Popen, timeout: float = 600) -> int:
-    code = proc.wait(timeout=timeout)
-    logging.info("%s: exit code %d", step_name, code)
+def process_outcome(code: int) -> str:
+    """One process's end in words: 'killed by SIGKILL', 'exit 75 (preempted)'."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return "aborted by the runtime (SIGABRT)" if code == -signal.SIGABRT else f"killed by {name}"
+    return {exit_codes.PREEMPTED: "exit 75 (preempted)"}.get(code, f"exit {code}")
+
+
+def exit_line(step_name: str, pod_code: int, log_text: str) -> str:
+    """What ended a pod, from its launcher's "pod exit codes [...] -> N" line: each process's cause
+    (a SIGKILL is named as one, not as the pod's requeue code), then the pod's code."""
+    found = POD_CODES.findall(log_text)
+    pod = f"the pod exited {pod_code} ({POD_CODE_MEANINGS.get(pod_code, 'failure')})"
+    if not found:
+        return f"{step_name}: {pod}"
+    codes = [int(c) for c in found[-1][0].split(",") if c.strip()]
+    return f"{step_name}: " + ", ".join(f"process {i} {process_outcome(c)}" for i, c in enumerate(codes)) + f"; {pod}"
+
+
+def _run(step_name: str, launched: Launched, timeout: float = 600) -> int:
+    code = launched.proc.wait(timeout=timeout)
+    with open(launched.log_path) as log:
+        logging.info("%s", exit_line(step_name, code, log.read()))
     return code
 
 
-def _signal_process_1(launcher: subprocess.Popen, committed, what: str, kill: bool = False) -> None:
+def _signal_process_1(launched: Launched, committed, what: str, kill: bool = False) -> None:
     """SIGTERM (or SIGKILL) to process 1 of the pod only, once committed() is true."""
     while not committed():
-        if launcher.poll() is not None:
+        if launched.proc.poll() is not None:
             raise RuntimeError(f"the pod finished before it could be {what}")
         time.sleep(0.02)
-    children = psutil.Process(launcher.pid).children()
+    children = psutil.Process(launched.proc.pid).children()
     (target,) = [c for c in children if "--process_id=1" in c.cmdline()]
     logging.info("%s: %s to process 1 (pid %d) only", what, "SIGKILL" if kill else "SIGTERM", target.pid)
     target.kill() if kill else target.terminate()
@@ -94,8 +132,8 @@ def run_demo(root: str, steps: int, save_every_steps: int, model: str) -> bool:
                           kill=True)
         ok &= _run("crashed job", launcher) != exit_codes.OK
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()
 
     logging.info("3/5 requeued on the same layout: resumes from the local tier, preempted mid-run")
     launcher = _pod(2, 4, "trainer.train", [f"--workdir={run}", *common, *first_layout, *tiers],
@@ -104,8 +142,8 @@ def run_demo(root: str, steps: int, save_every_steps: int, model: str) -> bool:
         _signal_process_1(launcher, lambda: 3 * save_every_steps in committed_steps(run), "preempting")
         ok &= _run("preempted job", launcher) == exit_codes.PREEMPTED
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        if launcher.proc.poll() is None:
+            launcher.proc.kill()
     preempted_at = committed_steps(run)[-1]
 
     logging.info("4/5 requeued on another layout: 4 processes x 2 devices, data=8")
@@ -118,9 +156,17 @@ def run_demo(root: str, steps: int, save_every_steps: int, model: str) -> bool:
 
     sys.stdout.write(report(run, reference, preempted_at, model) + "\n")
     picture = os.path.join(root, "run.png")
-    plot.draw(plot.series(run), picture, title=f"demo: {run}", reference=plot.reference_loss(reference))
+    draw_picture(run, reference, picture, title=f"{os.path.basename(os.path.normpath(root))}: the job crashed, "
+                 "resumed from its local tier, was preempted, resumed on another layout", model=model)
     sys.stdout.write(f"PICTURE: {picture} (loss against step; checkpoints by verdict, the preemption, the resume)\n")
     return ok and equal_loss_lists(run, reference, preempted_at, model)[0]
+
+
+def draw_picture(run: str, reference: str, path: str, *, title: str, model: str) -> None:
+    """The run's history over the uninterrupted one's, and the proof panel at the model's tolerance."""
+    series, expected = plot.series(run), plot.reference_loss(reference)
+    proof = plot.proof_series(series, expected, models.resolve(model).cross_mesh_loss_rtol)
+    plot.draw(series, path, title=title, reference=expected, proof=proof, crash_label="SIGKILL to process 1")
 
 
 def equal_loss_lists(run: str, reference: str, preempted_at: int, model: str) -> tuple[bool, str]:

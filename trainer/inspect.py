@@ -1,11 +1,15 @@
-"""python -m trainer.inspect --workdir=DIR [--losses] [--plot=run.png|run.svg [--reference=DIR]]
+"""python -m trainer.inspect --workdir=DIR [--losses | --evals] [--plot=run.png|run.svg [--reference=DIR]]
 
 Lists the committed steps of a workdir (size, mesh, processes, time, reason, loss range, the
-verifier's verdict); with --losses prints every recorded per-step loss of every committed
-checkpoint as one JSON object {"<step>": loss}, so a script can compare two runs; with --plot
-draws the loss against the step (checkpoints coloured by verdict, preemptions, resumes with their
-mesh, and --reference's loss) into that file and prints its path (checkpointing/plot.py). Apart
-from that picture it never writes or deletes. Exit 0; 1 if the storage does not answer within --storage_timeout_secs or
+verifier's verdict); with --losses prints the run's whole loss history (checkpointing/history.py:
+every attempt's metrics.jsonl and the committed manifests, whatever retention deleted, the latest
+attempt's value of each step) as one JSON object {"<step>": loss}, so a script can compare two
+runs; --evals prints the eval numbers the same way ({"<step>": {"eval_loss": ...}}); with --plot
+draws the history against the step (each attempt shaded by layout, checkpoints coloured by verdict,
+preemptions, crashes, resumes, eval losses; with --reference that run's loss and a second panel of
+each step's relative difference to it against the model's tolerance) into that file and prints its
+path (checkpointing/plot.py). Apart from that picture it never writes or deletes.
+Exit 0; 1 if the storage does not answer within --storage_timeout_secs or
 a checkpoint cannot be read; 2 if the workdir is missing or not a directory.
 """
 
@@ -15,26 +19,30 @@ import sys
 
 from absl import flags
 
-from checkpointing import (PLOT_FORMATS, check_workdir, draw_plot, format_table, plot_series, recorded_losses,
-                           reference_loss, table_rows)
+from checkpointing import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table, plot_series,
+                           proof_series, read_history, read_manifest, reference_loss, table_rows)
 from runtime import entry
+from trainer import models
 
 WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (local path or gs://).")
-LOSSES = flags.DEFINE_boolean("losses", False, "Print the recorded per-step losses as JSON instead of the table.")
+LOSSES = flags.DEFINE_boolean("losses", False, "Print the run's per-step loss history as JSON instead of the table.")
+EVALS = flags.DEFINE_boolean("evals", False, "Print the run's eval numbers per step as JSON instead of the table.")
 PLOT = flags.DEFINE_string("plot", None, "Draw the loss against the step into this .png or .svg file (local or gs://).")
 REFERENCE = flags.DEFINE_string("reference", None, "With --plot: also draw this workdir's loss (a reference run).")
 
 
 def _check_plot_flags() -> None:
     """Bad --plot/--reference input, before anything is read or written."""
+    if LOSSES.value and EVALS.value:
+        raise ValueError("--losses and --evals are exclusive")
     if REFERENCE.value and not PLOT.value:
         raise ValueError("--reference needs --plot")
     if PLOT.value is None:
         return
     if not PLOT.value.lower().endswith(PLOT_FORMATS):
         raise ValueError(f"--plot={PLOT.value}: the file must end in {' or '.join(PLOT_FORMATS)}")
-    if LOSSES.value:
-        raise ValueError("--plot and --losses are exclusive")
+    if LOSSES.value or EVALS.value:
+        raise ValueError(f"--plot and --{'losses' if LOSSES.value else 'evals'} are exclusive")
     if not PLOT.value.startswith("gs://"):
         parent = os.path.dirname(os.path.abspath(PLOT.value))
         if not os.path.isdir(parent):
@@ -45,9 +53,28 @@ def _check_plot_flags() -> None:
         check_workdir(REFERENCE.value, must_exist=True)
 
 
+def run_name(workdir: str) -> str:
+    """A picture's title: the workdir's own name, not the machine's path to it."""
+    return workdir.rstrip("/").rsplit("/", 1)[-1] or workdir
+
+
+def loss_tolerance(workdir: str) -> float:
+    """The model's cross-layout loss tolerance (its spec's cross_mesh_loss_rtol), read from the newest
+    committed manifest's config; 0 where the model cannot be resolved here (then no tolerance line)."""
+    steps = committed_steps(workdir)
+    if not steps:
+        return 0.0
+    try:
+        return models.resolve(read_manifest(workdir, steps[-1])["config"]["model"]).cross_mesh_loss_rtol
+    except (ValueError, KeyError, ImportError):
+        return 0.0
+
+
 def _plot() -> str:
+    run = plot_series(WORKDIR.value)
     reference = reference_loss(REFERENCE.value) if REFERENCE.value else None
-    draw_plot(plot_series(WORKDIR.value), PLOT.value, title=WORKDIR.value, reference=reference)
+    proof = proof_series(run, reference, loss_tolerance(WORKDIR.value)) if reference else None
+    draw_plot(run, PLOT.value, title=run_name(WORKDIR.value), reference=reference, proof=proof)
     return PLOT.value
 
 
@@ -58,8 +85,9 @@ def main(argv: list[str]) -> None:
     _check_plot_flags()
     if PLOT.value:
         output = _plot()
-    elif LOSSES.value:
-        output = json.dumps({str(s): v for s, v in recorded_losses(WORKDIR.value).items()})
+    elif LOSSES.value or EVALS.value:
+        history = read_history(WORKDIR.value)
+        output = json.dumps({str(s): v for s, v in (history.losses if LOSSES.value else history.evals).items()})
     else:
         output = format_table(table_rows(WORKDIR.value))
     sys.stdout.write(output + "\n")

@@ -1,21 +1,20 @@
 """The training loop: build the program, run the donated step, pull losses at the log cadence."""
 
 import dataclasses
-import json
 import os
 import time
 
 import jax
 from absl import logging
 
-from checkpointing import Checkpointer, committed_steps, format_mesh, metrics_file, one_line_cause, read_manifest
+from checkpointing import Checkpointer, Preempted, committed_steps, format_mesh, layout_of, read_manifest
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
 from trainer import compile_cache, data, metrics, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
-from trainer.metrics import RunMetrics
+from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
 from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program
 
 
@@ -24,60 +23,6 @@ class TrainResult:
     losses: dict[int, float]  # loss of each step this process ran, keyed by the step that computed it
     state: object  # the final TrainState (on the mesh)
     steps_per_sec: float
-
-
-class LossLog:
-    """Per-step losses kept on device until the log cadence, then pulled in one transfer."""
-
-    def __init__(self, workdir: str):
-        self._pending: list[tuple[int, jax.Array, dict]] = []
-        self.losses: dict[int, float] = {}
-        self.scalars: dict[int, dict[str, float]] = {}  # the step's grad_norm, param_norm, learning_rate
-        self._metrics_path = metrics_file(workdir) if jax.process_index() == 0 else None
-        self.metrics = RunMetrics(workdir) if jax.process_index() == 0 else None  # TensorBoard + progress
-
-    def add(self, step: int, loss: jax.Array, scalars: dict | None = None) -> None:
-        self._pending.append((step, loss, scalars or {}))
-
-    def flush(self) -> dict[int, float]:
-        """Pulls pending losses to the host (one sync) and appends them to the metrics file."""
-        if not self._pending:
-            return {}
-        values, scalars = jax.device_get(([loss for _, loss, _ in self._pending], [s for _, _, s in self._pending]))
-        fresh = {step: float(value) for (step, _, _), value in zip(self._pending, values)}
-        self.scalars = {step: {k: float(v) for k, v in s.items()} for (step, _, _), s in zip(self._pending, scalars)}
-        self._pending.clear()
-        self.losses.update(fresh)
-        if self._metrics_path and not self._metrics_path.startswith("gs://"):
-            data = "".join(json.dumps({"step": s, "loss": v, **self.scalars[s]}) + "\n"
-                           for s, v in fresh.items()).encode()
-            try:
-                with open(self._metrics_path, "ab", buffering=0) as f:
-                    start = f.seek(0, os.SEEK_END)
-                    try:
-                        while data:
-                            data = data[f.write(data):]
-                    except OSError:
-                        f.truncate(start)  # no half line: the file stays one JSON record per line
-                        raise
-            except OSError as err:
-                # Metrics are a convenience copy: every loss is also recorded in the next checkpoint's
-                # manifest, and a full disk fails that save with its own line. So warn and train on.
-                logging.log_every_n_seconds(
-                    logging.WARNING, "metrics: cannot append steps %d..%d to %s (%s); training goes on, "
-                    "the checkpoints' manifests record every loss", 600, min(fresh), max(fresh),
-                    self._metrics_path, one_line_cause(err))
-        return fresh
-
-
-def read_metrics(workdir: str) -> dict[int, float]:
-    """The metrics file as {step: loss}; a step logged twice (after a resume) keeps its last value."""
-    losses = {}
-    with open(metrics_file(workdir)) as f:
-        for line in f:
-            record = json.loads(line)
-            losses[record["step"]] = record["loss"]
-    return losses
 
 
 def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog, on_step=None,
@@ -117,16 +62,19 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                 fresh = loss_log.flush()
                 now = time.perf_counter()
                 if loss_log.metrics is not None:
-                    loss_log.metrics.report(step=done, total=config.steps, losses=fresh,
+                    loss_log.metrics.report(total=config.steps, losses=fresh,
                                             steps_per_sec=(done - tick_step) / max(now - tick, 1e-9),
                                             step_secs=max(now - tick - hook_secs, 0.0),
                                             save_blocking_secs=save_blocking, commit_secs=commit_secs,
                                             throughput=throughput.report(done - tick_step, now - tick),
                                             scalars=loss_log.scalars)
                 tick, tick_step, hook_secs, save_blocking = now, done, 0.0, []
+            # The eval of step `done`: the state at counter `done`, whose params step done's update
+            # starts from (the numbering of docs/training.md#step-numbering).
             evaluated = evaluator.maybe_evaluate(done, state.params) if evaluator is not None else None
             if evaluated and loss_log.metrics is not None:
                 loss_log.metrics.report_eval(done, evaluated)
+                loss_log.record_eval(done, evaluated)
             if on_step is not None:
                 hook_start = time.perf_counter()
                 event = on_step(done, state, loss, metrics=evaluated) if evaluated else on_step(done, state, loss)
@@ -135,6 +83,9 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                     commit_secs = list(event.commit_secs)
                     if event.saved:
                         save_blocking.append(event.blocking_secs)
+    except Preempted:
+        loss_log.flush()  # the preemption checkpoint committed: its steps' losses reach metrics.jsonl too
+        raise
     finally:
         if loss_log.metrics is not None:
             loss_log.metrics.close()
@@ -246,7 +197,8 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
     start = checkpointer.restore_or_init(program.abstract_state, program.init_fn)
     state = jax.block_until_ready(start.state)
     log_phase("restore", time.perf_counter() - begin)
-    loss_log = LossLog(config.workdir)
+    loss_log = LossLog(config.workdir, attempt={"resumed_from": start.step, "tier": start.tier,
+                                                "layout": layout_of(config.mesh_shape(), jax.process_count())})
     began = time.perf_counter()
     watchdog.pet(f"step {start.step + 1} (compiles the step)")
     evaluator = Evaluator(program) if config.eval_every_steps else None
@@ -258,6 +210,7 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
     ran = max(config.steps - start.step, 0)
     result = TrainResult(losses=loss_log.losses, state=state, steps_per_sec=ran / max(elapsed, 1e-9))
     if jax.process_index() == 0 and ran:
+        # "steps 0..20": the counter went from 0 to 20; the final loss is step 19's (the update 19 -> 20).
         logging.info("done: steps %d..%d, final loss %.6f, %.2f steps/s", start.step, config.steps,
                      result.losses[config.steps - 1], result.steps_per_sec)
     return result

@@ -161,10 +161,13 @@ def format_eta(secs: float) -> str:
 
 def progress_line(step: int, total: int, loss: float, steps_per_sec: float, committed, verified,
                   throughput: dict | None = None) -> str:
-    eta = (total - step) / steps_per_sec if steps_per_sec > 0 else float("inf")
+    """`step` is the step whose loss is shown (the newest update's: counter step -> step + 1), so
+    `step + 1` steps are done (docs/training.md#step-numbering)."""
+    done = step + 1
+    eta = (total - done) / steps_per_sec if steps_per_sec > 0 else float("inf")
     show = lambda s: "-" if s is None else str(s)
-    line = (f"step {step} loss {loss:.6f} steps/s {steps_per_sec:.2f} progress {step}/{total} "
-            f"({100.0 * step / max(total, 1):.0f}%) eta {format_eta(eta)} last committed {show(committed)} "
+    line = (f"step {step} loss {loss:.6f} steps/s {steps_per_sec:.2f} progress {done}/{total} "
+            f"({100.0 * done / max(total, 1):.0f}%) eta {format_eta(eta)} last committed {show(committed)} "
             f"last verified {show(verified)}")
     if throughput:  # trainer/evaluate.py's Throughput.report
         line += f" examples/s {throughput['examples_per_sec']:.1f}"
@@ -187,9 +190,12 @@ class RunMetrics:
         self._step_secs = 0.0  # wall time spent in steps (saves excluded) since this process started
         self._started = False
 
-    def report(self, *, step: int, total: int, losses: dict[int, float], steps_per_sec: float,
+    def report(self, *, total: int, losses: dict[int, float], steps_per_sec: float,
                step_secs: float, save_blocking_secs: list[float], commit_secs: list[float] = (),
                throughput: dict | None = None, scalars: dict[int, dict[str, float]] | None = None) -> None:
+        """One interval's line and scalars, all at the step of its newest loss (the progress line's
+        step, TensorBoard's step, metrics.jsonl's and the manifest's key for that loss are one number)."""
+        step = max(losses)
         if not self._started:
             self._started = True
             self.status.count_preemptions()
@@ -199,8 +205,8 @@ class RunMetrics:
         self._step_secs += step_secs
         self.status.refresh()
         committed, verified = self.status.committed, self.status.verified
-        newest = (scalars or {}).get(max(losses), {})  # the step's grad_norm, param_norm, learning_rate
-        logging.info("%s%s", progress_line(step, total, losses[max(losses)], steps_per_sec, committed, verified,
+        newest = (scalars or {}).get(step, {})  # the step's grad_norm, param_norm, learning_rate
+        logging.info("%s%s", progress_line(step, total, losses[step], steps_per_sec, committed, verified,
                                            throughput),
                      "".join(f" {name} {value:.4g}" for name, value in sorted(newest.items())))
         for s, loss in losses.items():
