@@ -58,6 +58,7 @@ class Anchor:
     step: int
     state: object
     fixed_hash: str
+    input_states: list | None = None  # the iterator states saved at `step` (verifier/program.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,7 @@ class HeldStep:
     manifest: dict
     program: object  # verifier/program.py's protocol
     durations: dict
+    input_states: list | None = None
 
 
 class StepProofs:
@@ -119,6 +121,7 @@ class StepProofs:
                                      durations), None
             program = self._program_for(manifest)
             state = self._service.restore(step, program.abstract_state).state
+            inputs = program_lib.input_states(self.options.workdir, step, program)
         except program_lib.ProgramError as err:
             return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
         except (FingerprintMismatchError, TreeMismatchError) as err:
@@ -140,7 +143,7 @@ class StepProofs:
         intact = self._verdict(step, manifest, "intact", "pass",
                                f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
                                complete=False)
-        return intact, HeldStep(state, manifest, program, durations)
+        return intact, HeldStep(state, manifest, program, durations, inputs)
 
     def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict:
         """The complete verdict of an intact step: replayed from the newest proved state before it
@@ -150,7 +153,7 @@ class StepProofs:
         distance = step - anchor.step
         count = min(distance, self.options.replay_steps)
         recorded = {s: v for s, v in manifest_lib.losses(manifest).items() if anchor.step <= s < anchor.step + count}
-        origin = f"step {anchor.step}" if anchor.step != INIT else _init_origin(manifest)
+        origin = f"step {anchor.step}" if anchor.step != INIT else identity.init_origin(manifest)
         if count == 0 or (count < distance and not recorded):
             return self._verdict(step, manifest, "intact", "pass",
                                  f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
@@ -165,7 +168,8 @@ class StepProofs:
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
-        replayed_state, replayed = self._replay(program, start_state, anchor.step, count)
+        batches = program_lib.batches_at(program, anchor.input_states)
+        replayed_state, replayed = self._replay(program, start_state, anchor.step, count, batches)
         durations["replay"] = time.perf_counter() - started
         rtol = tolerances.loss_rtol(program, exact)
         mismatch, largest = compare.compare_losses(replayed, recorded, rtol)
@@ -173,7 +177,8 @@ class StepProofs:
         common = dict(max_difference=largest, replayed_from=anchor.step, replayed=count, compared=len(recorded))
         how = "bit-exact" if exact else f"max rel diff {largest:.2e}"
         if mismatch is None and level == "reproduced":
-            mismatch = self._state_mismatch(replayed_state, anchor.state, state, manifest, program, exact)
+            mismatch = (self._state_mismatch(replayed_state, anchor.state, state, manifest, program, exact)
+                        or program_lib.input_mismatch(batches, held.input_states))
         if mismatch is not None:
             return self._verdict(step, manifest, level, "fail", f"replayed from {origin}: {mismatch.detail}", durations,
                                  mismatch=mismatch.as_dict(), **common)
@@ -182,7 +187,7 @@ class StepProofs:
                                  f"replayed {count} of {distance} steps from {origin}: {len(recorded)} recorded losses "
                                  f"match ({how}); the step's own state is not proved (--replay_steps)", durations,
                                  **common)
-        self._anchor = Anchor(step, state, manifest["fixed_hash"])
+        self._anchor = Anchor(step, state, manifest["fixed_hash"], held.input_states)
         return self._verdict(step, manifest, level, "pass",
                              f"replayed {count} steps from {origin}: {len(recorded)} recorded losses match ({how}); "
                              f"state equals the checkpoint leaf by leaf", durations, **common)
@@ -199,7 +204,8 @@ class StepProofs:
                 anchor_manifest = read_manifest(self.options.workdir, disk_anchor)
                 if anchor_manifest["fixed_hash"] == fixed_hash:
                     restored = self._service.restore(disk_anchor, program.abstract_state).state
-                    self._anchor = Anchor(disk_anchor, restored, fixed_hash)
+                    self._anchor = Anchor(disk_anchor, restored, fixed_hash,
+                                          program_lib.input_states(self.options.workdir, disk_anchor, program))
                     return self._anchor
             except CheckpointError as err:  # deleted or damaged since it was proved: start further back
                 logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
@@ -210,8 +216,8 @@ class StepProofs:
         return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state,
                                                     run.get("init_from")), fixed_hash)
 
-    def _replay(self, program, state, start_step: int, count: int):
-        return program_lib.replay_losses(program, state, start_step, count)
+    def _replay(self, program, state, start_step: int, count: int, batches=None):
+        return program_lib.replay_losses(program, state, start_step, count, batches)
 
     def _copy(self, state, fixed_hash: str, program):
         """A fresh copy of a proved state (the step donates its input; the proved one stays)."""
@@ -281,11 +287,6 @@ def _intact_problem(step: int, state) -> compare.Mismatch | None:
 
 def _first_line(err: Exception) -> str:
     return str(err).splitlines()[0] if str(err) else ""
-
-
-def _init_origin(manifest: dict) -> str:
-    source = manifest.get("init_from")
-    return "the config's init" if not source else f"the params of step {source['step']} of {source['workdir']}"
 
 
 def _leaf_mismatch(err: Exception) -> dict:
