@@ -104,10 +104,15 @@ class Checkpointer:
     def restore_or_init(self, abstract_state, init_fn: Callable[[], object]) -> restore_lib.RestoreResult:
         """The state to start from, per options.resume_from (checkpointing/restore.py): restored onto the
         shardings of `abstract_state` (ShapeDtypeStructs, e.g. jax.eval_shape of the init with the current
-        mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn()."""
+        mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn().
+        With a data_iterator, a restored step also sets it to the position this process saved there."""
         with self.watchdog.bounded("restoring", self.watchdog.timeout_secs):
             start = restore_lib.restore_or_init(self.options, self.service, self.local, self._candidates,
                                                 abstract_state, init_fn, self.run.init_from)
+            if self._data_iterator is not None and start.tier is not None:
+                input_state.check_restorable(self.workdir, start.step, process_count=_process_count(),
+                                             has_iterator=True)  # a fallback past a corrupt step may differ
+                self.service.restore_input(start.step)
         carried = {}
         if start.tier == "local":  # every process read its own copy: the same losses everywhere
             carried = {int(s): v for s, v in start.manifest["losses"].items()}
