@@ -48,15 +48,15 @@ def input_iterator(config: dict, process_index: int = 0, process_count: int = 1)
 
 
 class GlobalBatches:
-    """The global batches from the positions every process of a run saved (None: the start): one
-    pipeline per saved process, their rows concatenated in process order; `input_states()` is where
+    """The global batches from the positions every process of a run saved (None: a process at the
+    run's start): one pipeline per saved process, their rows concatenated in process order; `input_states()` is where
     each pipeline has got to (the verifier compares it with the step it proves)."""
 
-    def __init__(self, config: dict, states: list[dict] | None, sharding: NamedSharding):
-        count = 1 if states is None else len(states)
-        self.iterators = [input_iterator(config, index, count) for index in range(count)]
-        for iterator, saved in zip(self.iterators, states or ()):
-            iterator.set_state(saved)
+    def __init__(self, config: dict, states: list[dict | None], sharding: NamedSharding):
+        self.iterators = [input_iterator(config, index, len(states)) for index in range(len(states))]
+        for iterator, saved in zip(self.iterators, states):
+            if saved is not None:  # None: that process at the run's start
+                iterator.set_state(saved)
         self.sharding = sharding
 
     def __iter__(self):
@@ -93,7 +93,7 @@ def replay_program(config: dict, mesh: jax.sharding.Mesh):
     shardings = jax.tree.map(lambda leaf: NamedSharding(mesh, P()), abstract)
     batch_sharding = NamedSharding(mesh, P("data"))
 
-    def batches_from(states: list[dict] | None) -> GlobalBatches:
+    def batches_from(states: list[dict | None]) -> GlobalBatches:
         return GlobalBatches(config, states, batch_sharding)
 
     return types.SimpleNamespace(

@@ -102,6 +102,28 @@ def test_a_filtered_pipeline_resumes_from_its_saved_position_is_refused_elsewher
     assert (found[60]["level"], found[60]["status"], found[60]["replayed_from"]) == ("reproduced", "pass", 20)
 
 
+@pytest.mark.slow
+def test_a_two_process_pod_saves_a_state_per_process_and_one_verifier_replays_from_both(tmp_path):
+    workdir = str(tmp_path / "pod")
+    pod = helpers.run_module("launch.local", "--num_processes=2", "--devices_per_process=2", f"--module={LOOP}",
+                             "--", f"--workdir={workdir}", "--steps=40", "--save_every_steps=20")
+    assert pod.returncode == 0, pod.stdout[-3000:]
+    steps = committed_steps(workdir)
+    saved = {step: read_input_states(workdir, step) for step in steps}
+    assert steps == [20, 40] and all(len(states) == 2 for states in saved.values()), saved
+    assert saved[40][0] != saved[40][1], "each process saved its own position"
+    # Back on one process: refused by name (exit 2, one line), nothing changed.
+    before = helpers.disk_state(workdir)
+    result = helpers.run_module(LOOP, f"--workdir={workdir}", "--steps=60")
+    helpers.assert_refused(result, before, "step 40: its input iterator state was saved by a 2-process run, "
+                                           "this run has 1 process(es)")
+    # A one-process verifier rebuilds the global batches from both processes' states.
+    result = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = verdicts.read_steps(workdir, steps)
+    assert {s: (found[s]["level"], found[s]["status"]) for s in steps} == dict.fromkeys(steps, ("reproduced", "pass"))
+
+
 def test_the_iterator_state_is_saved_with_the_step_and_restored_by_name(tmp_path):
     """In-process, on a real saved step: the state Grain's handler wrote is the iterator's at that step;
     a restore sets a fresh iterator to it; another process count, or no iterator, is refused by name."""

@@ -13,7 +13,8 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
     (or, for a run that saved a stateful data iterator in its steps, Checkpointer(data_iterator=),
     batches_from(input_states) in its place: an iterator of the global batches from the position
     the run's processes saved, `input_states` being every process's saved iterator state by
-    process index, or None for the run's start; the verifier reads them from the step it replays from;
+    process index (None for a process at the run's start); the verifier reads them from the step
+    it replays from;
     when the iterator has `input_states()`, the states it has reached, a reproduced step's must equal
     the ones it saved, so a wrong saved position fails its own step)
     loss_rtol       largest relative difference of a loss across layouts (measured)
@@ -100,9 +101,13 @@ def input_states(workdir: str, step: int, program) -> list[dict] | None:
     return states
 
 
-def batches_at(program, states: list[dict] | None):
-    """The batch iterator a replay from `states` reads (None: the program's batch_fn(step))."""
-    return iter(program.batches_from(states)) if replays_input_state(program) else None
+def batches_at(program, states: list[dict] | None, target: list[dict] | None):
+    """The batch iterator a replay from `states` reads (None: the program's batch_fn(step)). From the
+    run's start (`states` None) every process of the run starts afresh: as many as saved `target`,
+    the states of the step the replay proves (a resume on another process count is refused)."""
+    if not replays_input_state(program):
+        return None
+    return iter(program.batches_from(states if states is not None else [None] * len(target or [None])))
 
 
 def input_mismatch(batches, saved: list[dict] | None):

@@ -168,7 +168,7 @@ class StepProofs:
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
-        batches = program_lib.batches_at(program, anchor.input_states)
+        batches = program_lib.batches_at(program, anchor.input_states, held.input_states)
         replayed_state, replayed = self._replay(program, start_state, anchor.step, count, batches)
         durations["replay"] = time.perf_counter() - started
         rtol = tolerances.loss_rtol(program, exact)
