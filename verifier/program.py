@@ -126,6 +126,11 @@ def input_mismatch(batches, saved: list[dict] | None):
     return None
 
 
+def input_note(batches) -> str:
+    """What a passing verdict adds when the replay's input position was compared too."""
+    return ", and the input iterator reached the position it saved" if hasattr(batches, "input_states") else ""
+
+
 def replay_losses(program, state, start_step: int, num_steps: int, batches=None):
     """Runs `num_steps` steps from `state` (at `start_step`), each on `next(batches)` or else on
     program.batch_fn(step); returns (state, {step: loss})."""

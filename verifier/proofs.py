@@ -190,7 +190,8 @@ class StepProofs:
         self._anchor = Anchor(step, state, manifest["fixed_hash"], held.input_states)
         return self._verdict(step, manifest, level, "pass",
                              f"replayed {count} steps from {origin}: {len(recorded)} recorded losses match ({how}); "
-                             f"state equals the checkpoint leaf by leaf", durations, **common)
+                             f"state equals the checkpoint leaf by leaf{program_lib.input_note(batches)}", durations,
+                             **common)
 
     def _anchor_for(self, step: int, manifest: dict, program, disk_anchor: int | None) -> Anchor:
         """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init."""
