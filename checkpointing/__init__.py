@@ -18,7 +18,8 @@ _PUBLIC = {
     # what a workdir holds, read only
     "committed_steps": "workdir", "read_manifest": "workdir", "metrics_file": "workdir",
     "tensorboard_dir": "workdir", "expand_local_dir": "workdir", "check_workdir": "storage",
-    "newest_proved_step": "verdicts", "recorded_losses": "report", "table_rows": "report",
+    "read_input_states": "input_state", "newest_proved_step": "verdicts", "recorded_losses": "report",
+    "table_rows": "report",
     "format_table": "report", "draw_plot": "plot", "plot_series": "plot", "reference_loss": "plot",
     "PLOT_FORMATS": "plot", "proof_series": "plot", "read_history": "history", "attempt_record": "history",
     "last_attempt_id": "history", "layout_of": "history",
@@ -27,7 +28,7 @@ _PUBLIC = {
     "TreeMismatchError": "errors", "ConfigMismatchError": "errors", "ManifestError": "errors",
     "FingerprintMismatchError": "errors", "AsyncSaveError": "errors", "CorruptCheckpointError": "errors",
     "WorkdirLeasedError": "errors", "LeaseLostError": "errors", "StepAlreadyCommittedError": "errors",
-    "StorageUnavailableError": "errors", "one_line_cause": "errors",
+    "StorageUnavailableError": "errors", "InputStateError": "errors", "one_line_cause": "errors",
 }
 _RENAMED = {"draw_plot": "draw", "plot_series": "series", "PLOT_FORMATS": "FORMATS"}
 

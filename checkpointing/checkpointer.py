@@ -18,6 +18,7 @@ save in flight, so it cannot race the next writer, and releases the lease). docs
 import dataclasses
 from typing import Callable, Iterable
 
+from checkpointing import input_state
 from checkpointing import lease as lease_lib
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
@@ -48,17 +49,29 @@ class Checkpointer:
       program: "package.module:factory" that builds the run's replay program for the verifier
         (checkpointing/replay.py); None for a run the verifier should not replay.
       watchdog: bounds every wait (a dead peer, a stuck commit); by default one of `watchdog_secs`.
+      data_iterator: a Grain iterator whose position is not a function of the step (a filter, packing):
+        every persistent save holds its state, one file per process, and a restore sets it back
+        (checkpointing/input_state.py). None (the default): the step is the input's position.
     """
 
     def __init__(self, workdir: str, options: CheckpointConfig, *, config: dict, fixed: Iterable[str], mesh,
                  total_steps: int, program: str | None = None, watchdog: Watchdog | None = None,
-                 watchdog_secs: float = 600.0):
+                 watchdog_secs: float = 600.0, data_iterator=None):
         self.options = options.validated()
+        if data_iterator is not None:
+            input_state.check_iterator(data_iterator)
+            if self.options.local_dir:  # a local step would hold no input position to resume from
+                raise ValueError(f"--local_dir={self.options.local_dir}: a data_iterator is saved on the "
+                                 "persistent tier only; use one or the other")
+        self._data_iterator = data_iterator
         self.workdir = str(workdir)
         self.total_steps = total_steps
         run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program)
         self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run,  # refusals change nothing
                                                          total_steps=total_steps)
+        if self._candidates:  # another process count, or an iterator saved but not passed: refused here
+            input_state.check_restorable(self.workdir, self._candidates[0], process_count=_process_count(),
+                                         has_iterator=data_iterator is not None)
         self.run = dataclasses.replace(run, init_from=self._init_from())
         self._lease = _acquire_pod_lease(self.workdir, self.options.lease_secs)
         self._owns_watchdog = watchdog is None
@@ -70,7 +83,8 @@ class Checkpointer:
         try:
             check = _lease_check(self._lease)  # the lease covers both tiers
             self.service = CheckpointService(self.workdir, self.options, run=self.run, protected_steps=self._protected,
-                                             preemption_decision=self.preemption.decided, writer_check=check)
+                                             preemption_decision=self.preemption.decided, writer_check=check,
+                                             data_iterator=data_iterator)
             if self.options.local_dir:
                 directory = workdir_lib.expand_local_dir(self.options.local_dir, _process_index())
                 local = dataclasses.replace(self.options, max_to_keep=self.options.local_max_to_keep,
@@ -91,10 +105,15 @@ class Checkpointer:
     def restore_or_init(self, abstract_state, init_fn: Callable[[], object]) -> restore_lib.RestoreResult:
         """The state to start from, per options.resume_from (checkpointing/restore.py): restored onto the
         shardings of `abstract_state` (ShapeDtypeStructs, e.g. jax.eval_shape of the init with the current
-        mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn()."""
+        mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn().
+        With a data_iterator, a restored step also sets it to the position this process saved there."""
         with self.watchdog.bounded("restoring", self.watchdog.timeout_secs):
             start = restore_lib.restore_or_init(self.options, self.service, self.local, self._candidates,
                                                 abstract_state, init_fn, self.run.init_from)
+            if self._data_iterator is not None and start.tier is not None:
+                input_state.check_restorable(self.workdir, start.step, process_count=_process_count(),
+                                             has_iterator=True)  # a fallback past a corrupt step may differ
+                self.service.restore_input(start.step)
         carried = {}
         if start.tier == "local":  # every process read its own copy: the same losses everywhere
             carried = {int(s): v for s, v in start.manifest["losses"].items()}
@@ -215,6 +234,12 @@ def _process_index() -> int:
     import jax
 
     return jax.process_index()
+
+
+def _process_count() -> int:
+    import jax
+
+    return jax.process_count()
 
 
 def _acquire_pod_lease(workdir: str, lease_secs: float) -> lease_lib.Lease | None:

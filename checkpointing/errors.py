@@ -66,3 +66,8 @@ class StepAlreadyCommittedError(BadCheckpointRequest):
 
 class StorageUnavailableError(CheckpointError):
     """The workdir's storage did not answer (an unreachable endpoint, no answer in time, an I/O error)."""
+
+
+class InputStateError(BadCheckpointRequest):
+    """A step's input iterator state cannot be restored by this run: saved by another process count,
+    or saved with an iterator this run does not pass (or the reverse). Nothing was changed."""

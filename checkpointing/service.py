@@ -26,6 +26,7 @@ from absl import logging
 from orbax.checkpoint import checkpoint_managers
 
 from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import input_state
 from checkpointing import local_tier
 from checkpointing import orbax_hooks
 from checkpointing.config import CheckpointConfig
@@ -35,7 +36,6 @@ from checkpointing.checks import check_config_matches, check_fingerprints, check
 from runtime import collective
 from checkpointing.errors import (AsyncSaveError, CorruptCheckpointError, NoSuchCheckpointError,
                                   StepAlreadyCommittedError, one_line_cause)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,8 @@ class CheckpointService:
                  run: RunMetadata | None = None, read_only: bool = False,
                  protected_steps: Callable[[], Iterable[int]] = frozenset,
                  preemption_decision: Callable[[int], bool] = lambda step: False,
-                 writer_check: Callable[[int], None] = lambda step: None, tier: str = manifest_lib.PERSISTENT):
+                 writer_check: Callable[[int], None] = lambda step: None, tier: str = manifest_lib.PERSISTENT,
+                 data_iterator=None):
         if tier not in (manifest_lib.PERSISTENT, manifest_lib.LOCAL):
             raise ValueError(f"tier must be {manifest_lib.PERSISTENT!r} or {manifest_lib.LOCAL!r}, got {tier!r}")
         self.directory = str(directory)
@@ -85,6 +86,7 @@ class CheckpointService:
         self._run = run
         self._writer_check = writer_check  # raises (e.g. LeaseLostError) once this process may no longer write
         self._pending_step: int | None = None
+        self._data_iterator = data_iterator  # saved in every step as one state per process (input_state.py)
         policies = [checkpoint_managers.LatestN(config.max_to_keep), orbax_hooks.ProtectedSteps(protected_steps)]
         if config.keep_every_steps:
             policies.append(checkpoint_managers.EveryNSteps(config.keep_every_steps))
@@ -101,7 +103,8 @@ class CheckpointService:
             manager_options.update(local_tier.manager_options(self.directory, read_only))
         self._manager = orbax_hooks.Manager(
             workdir_lib.checkpoints_dir(self.directory), options=ocp.CheckpointManagerOptions(**manager_options),
-            item_names=(workdir_lib.STATE_ITEM, workdir_lib.MANIFEST_ITEM),
+            item_names=(workdir_lib.STATE_ITEM, workdir_lib.MANIFEST_ITEM) + (
+                (input_state.INPUT_ITEM,) if data_iterator is not None else ()),
             item_handlers=local_tier.item_handlers() if local else None, preemption_decision=preemption_decision)
 
     # --- listing -------------------------------------------------------------------------------
@@ -163,6 +166,7 @@ class CheckpointService:
             self._manager.save(step, args=ocp.args.Composite(**{
                 workdir_lib.STATE_ITEM: local_tier.save_args(state) if local else ocp.args.StandardSave(state),
                 workdir_lib.MANIFEST_ITEM: orbax_hooks.ManifestSave(build_manifest),
+                **input_state.save_items(self._data_iterator),  # its state is taken here, before save() returns
             }), force=True)  # the caller's policy decided; Orbax's own should_save must not ask again
         except Exception as err:
             fingerprints.cancel()  # if Orbax's background write had started, its manifest fails
@@ -266,6 +270,10 @@ class CheckpointService:
         state = agreed(lambda: self._read_arrays(step, abstract_state))
         agreed(lambda: check_fingerprints(step, manifest, state))
         return Restored(state=state, manifest=manifest)
+
+    def restore_input(self, step: int) -> None:
+        """Sets the data iterator to the position this process saved at `step` (input_state.restore)."""
+        input_state.restore(self._manager, step, self._data_iterator, workdir_lib.step_dir(self.directory, step))
 
     def _read_arrays(self, step: int, abstract_state):
         local = self.tier == manifest_lib.LOCAL

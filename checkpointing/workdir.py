@@ -2,6 +2,7 @@
 
     <workdir>/checkpoints/<step>/state/          the arrays (Orbax, TensorStore)
     <workdir>/checkpoints/<step>/manifest/metadata   the manifest (JSON: fingerprints, losses, config)
+    <workdir>/checkpoints/<step>/input_state/process_<i>-of-<n>.json   a data iterator's state (input_state.py)
     <workdir>/superseded/<step>-<time>[.verdict.json]  steps a resume from an older step set aside
     <workdir>/verdicts/<step>.json               the verifier's verdict on one committed step
     <workdir>/lease/<generation>.json            who may write this workdir (checkpointing/lease.py)

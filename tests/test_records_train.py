@@ -94,3 +94,21 @@ def test_other_files_refuse_the_resume_and_fail_the_verdict_by_name(tmp_path, st
     Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),))).verify_pending()
     verdict = verdicts.read_all(workdir)[8]
     assert verdict["status"] == "fail" and named in verdict["detail"], verdict
+
+
+@pytest.mark.slow
+def test_another_eval_split_refuses_the_resume_by_name_and_changes_nothing(tmp_path, stdlib_corpus):
+    corpus, workdir = copy_corpus(stdlib_corpus, tmp_path), str(tmp_path / "run")
+    train_records(workdir, corpus, steps=8)
+    manifest = read_manifest(workdir, 8)
+    eval_identity = manifest["config"]["eval_data_identity"]
+    assert manifest["fixed_fields"]["eval_data_digest"] == eval_identity["digest"]
+    assert manifest["fixed_fields"]["eval_batches"] == 2
+    eval_file = eval_identity["files"][0]["name"]
+    line = refused(workdir, corpus, f"--eval_data=records:{os.path.join(corpus, 'train-00000-of-00003.array_record')}",
+                   expected=("the dataset changed since it was recorded", f"--eval_data: file {eval_file}"))
+    assert line.count("\n") == 0
+    refused(workdir, corpus, "--eval_data=", "--eval_every_steps=0", expected=("--eval_data (step 8)",))
+    refused(workdir, corpus, "--eval_batches=3", expected=("--eval_batches (step 8) was 2, is now 3",))
+    rewrite_reversed(os.path.join(corpus, eval_file))  # the same file name and size, other records
+    refused(workdir, corpus, expected=(f"--eval_data: file {eval_file}: edges",))

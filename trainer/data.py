@@ -53,10 +53,12 @@ def make_batch_fn(spec: ModelSpec, config: TrainConfig, mesh: Mesh):
 # --- record files: --data=records:<glob> (trainer/input, docs/data.md) -------------------------------
 
 SYNTHETIC = "synthetic"
-# Keys the trainer adds to the config it hands the Checkpointer when the data is records: the
-# dataset's identity (recorded in every manifest) and its digest (a field a resume must not change).
+# Keys the trainer adds to the config it hands the Checkpointer when the data is records: each split's
+# identity (recorded in every manifest) and its digest (a field a resume must not change; the eval
+# split's, with --eval_batches, only when there is one, so a run without one keeps its fixed hash).
 IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY = "data_identity", "eval_data_identity", "data_digest"
-RECORDED_KEYS = (IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY)
+EVAL_DIGEST_KEY = "eval_data_digest"
+RECORDED_KEYS = (IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY, EVAL_DIGEST_KEY)
 
 
 @dataclasses.dataclass
@@ -71,8 +73,18 @@ class Inputs:
         if self.batches is None:
             return {}
         identity = self.batches.dataset.identity()
-        return {IDENTITY_KEY: identity, DIGEST_KEY: identity["digest"],
-                EVAL_IDENTITY_KEY: self.eval_batches.dataset.identity() if self.eval_batches else None}
+        recorded = {IDENTITY_KEY: identity, DIGEST_KEY: identity["digest"], EVAL_IDENTITY_KEY: None}
+        if self.eval_batches is not None:
+            eval_identity = self.eval_batches.dataset.identity()
+            recorded.update({EVAL_IDENTITY_KEY: eval_identity, EVAL_DIGEST_KEY: eval_identity["digest"]})
+        return recorded
+
+    def fixed_names(self) -> tuple[str, ...]:
+        """The recorded keys (and flags) a resume must not change: the digests of the splits, and with an
+        eval split --eval_batches, so that every eval loss of a run is measured on the same rows."""
+        recorded = self.recorded()
+        return ((DIGEST_KEY,) if recorded else ()) + ((EVAL_DIGEST_KEY, "eval_batches")
+                                                      if recorded.get(EVAL_DIGEST_KEY) else ())
 
     def close(self) -> None:
         for batches in (self.batches, self.eval_batches):
@@ -131,3 +143,23 @@ def check_recorded(recorded: dict, inputs: Inputs, where: str) -> None:
         raise DatasetChangedError(f"data ({where})", "records" if before else SYNTHETIC,
                                   "records" if now else SYNTHETIC)
     check_same(before, now)
+
+
+def check_recorded_eval(recorded: dict, inputs: Inputs, eval_batches: int, where: str) -> None:
+    """Refuses (DatasetChangedError naming --eval_data or --eval_batches and what differs) an eval split
+    other than the one a manifest's config recorded: the eval losses of one run stay comparable."""
+    from trainer.input import DatasetChangedError, check_same
+
+    before = recorded.get(EVAL_IDENTITY_KEY)
+    now = inputs.eval_batches.dataset.identity() if inputs.eval_batches is not None else None
+    if before is None and now is None:
+        return
+    if before is None or now is None:
+        raise DatasetChangedError(f"--eval_data ({where})", "records" if before else "none",
+                                  "records" if now else "none")
+    try:
+        check_same(before, now)
+    except DatasetChangedError as err:
+        raise DatasetChangedError(f"--eval_data: {err.field}", err.recorded, err.current) from None
+    if recorded.get("eval_batches") != eval_batches:
+        raise DatasetChangedError(f"--eval_batches ({where})", recorded.get("eval_batches"), eval_batches)

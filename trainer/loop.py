@@ -119,7 +119,7 @@ def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = Non
     computes it (config["code"], trainer/code.py); the verifier replays it with
     trainer.program:replay_program. Without `watchdog` it owns one of --watchdog_secs, stopped at close."""
     recorded = inputs.recorded() if inputs is not None else {}
-    fixed = tuple(config.fixed_names()) + ((data.DIGEST_KEY,) if recorded else ())
+    fixed = tuple(config.fixed_names()) + (inputs.fixed_names() if inputs is not None else ())
     identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config)}
     return Checkpointer(config.workdir, config.checkpoint, config=identity, fixed=fixed,
                         mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog,
@@ -127,8 +127,8 @@ def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = Non
 
 
 def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
-    """A resume reads the files its checkpoints were trained on: DatasetChangedError (exit 2, one line,
-    nothing written) names the first field or file that differs from the newest readable manifest's."""
+    """A resume reads the files its checkpoints were trained and evaluated on: DatasetChangedError (exit 2,
+    one line, nothing written) names the first field or file that differs from the newest readable manifest's."""
     if config.checkpoint.resume_from == "none":
         return
     for step in reversed(committed_steps(config.workdir)):
@@ -137,6 +137,7 @@ def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
         except Exception:  # an unreadable manifest is the restore's to handle (it falls back past it)
             continue
         data.check_recorded(manifest.get("config", {}), inputs, f"step {step}")
+        data.check_recorded_eval(manifest.get("config", {}), inputs, config.eval_batches, f"step {step}")
         return
 
 

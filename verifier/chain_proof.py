@@ -18,6 +18,7 @@ from checkpointing import manifest as manifest_lib
 from checkpointing import restore as restore_lib
 from checkpointing.errors import CheckpointError
 from checkpointing.workdir import committed_steps, read_manifest
+from verifier import identity
 from verifier import program as program_lib
 from verifier import tolerances
 
@@ -30,6 +31,7 @@ class Anchor:
     step: int
     state: object
     fixed_hash: str
+    input_states: list | None = None  # the iterator states saved at `step` (verifier/program.py)
 
 
 class ChainProofs:
@@ -42,7 +44,7 @@ class ChainProofs:
         distance = step - anchor.step
         count = min(distance, self.options.replay_steps)
         recorded = {s: v for s, v in manifest_lib.losses(manifest).items() if anchor.step <= s < anchor.step + count}
-        origin = f"step {anchor.step}" if anchor.step != INIT else _init_origin(manifest)
+        origin = f"step {anchor.step}" if anchor.step != INIT else identity.init_origin(manifest)
         if count == 0 or (count < distance and not recorded):
             return self._verdict(step, manifest, "intact", "pass",
                                  f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
@@ -57,7 +59,8 @@ class ChainProofs:
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         start_state = self._copy(anchor.state, manifest["fixed_hash"], program)
-        replayed_state, replayed = self._replay(program, start_state, anchor.step, count)
+        batches = program_lib.batches_at(program, anchor.input_states, held.input_states)
+        replayed_state, replayed = self._replay(program, start_state, anchor.step, count, batches)
         self._budget.replayed(count)
         durations["replay"] = time.perf_counter() - started
         rtol = tolerances.loss_rtol(program, exact)
@@ -66,7 +69,8 @@ class ChainProofs:
         common = dict(max_difference=largest, replayed_from=anchor.step, replayed=count, compared=len(recorded))
         how = "bit-exact" if exact else f"max rel diff {largest:.2e}"
         if mismatch is None and level == "reproduced":
-            mismatch = self._state_mismatch(replayed_state, anchor.state, state, manifest, program, exact)
+            mismatch = (self._state_mismatch(replayed_state, anchor.state, state, manifest, program, exact)
+                        or program_lib.input_mismatch(batches, held.input_states))
         if mismatch is not None:
             return self._verdict(step, manifest, level, "fail", f"replayed from {origin}: {mismatch.detail}", durations,
                                  mismatch=mismatch.as_dict(), **common)
@@ -75,10 +79,11 @@ class ChainProofs:
                                  f"replayed {count} of {distance} steps from {origin}: {len(recorded)} recorded losses "
                                  f"match ({how}); the step's own state is not proved (--replay_steps)", durations,
                                  **common)
-        self._anchor = Anchor(step, state, manifest["fixed_hash"])
+        self._anchor = Anchor(step, state, manifest["fixed_hash"], held.input_states)
         return self._verdict(step, manifest, level, "pass",
                              f"replayed {count} steps from {origin}: {len(recorded)} recorded losses match ({how}); "
-                             f"state equals the checkpoint leaf by leaf", durations, **common)
+                             f"state equals the checkpoint leaf by leaf{program_lib.input_note(batches)}", durations,
+                             **common)
 
     def _anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
         """The step _anchor_for would start from, without restoring anything."""
@@ -100,7 +105,8 @@ class ChainProofs:
                 anchor_manifest = read_manifest(self.options.workdir, disk_anchor)
                 if anchor_manifest["fixed_hash"] == fixed_hash:
                     restored = self._service.restore(disk_anchor, program.abstract_state).state
-                    self._anchor = Anchor(disk_anchor, restored, fixed_hash)
+                    self._anchor = Anchor(disk_anchor, restored, fixed_hash,
+                                          program_lib.input_states(self.options.workdir, disk_anchor, program))
                     return self._anchor
             except CheckpointError as err:  # deleted or damaged since it was proved: start further back
                 logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
@@ -151,10 +157,3 @@ class ChainProofs:
             return None
         allowed = tolerances.state_tolerances(replayed, anchor_state, program.state_rtol, manifest["leaves"])
         return compare.compare_leaves(replayed, saved, allowed)
-
-
-def _init_origin(manifest: dict) -> str:
-    source = manifest.get("init_from")
-    return "the config's init" if not source else f"the params of step {source['step']} of {source['workdir']}"
-
-

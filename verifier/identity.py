@@ -70,3 +70,9 @@ def difference(step: int, manifest: dict, run: dict | None) -> str | None:
                     f"in {origin}")
     return None
 
+
+
+def init_origin(manifest: dict) -> str:
+    """What a proof from the run's start replays from: the config's init, or the params it imported."""
+    source = manifest.get("init_from")
+    return "the config's init" if not source else f"the params of step {source['step']} of {source['workdir']}"

@@ -10,6 +10,13 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
     init_fn()       the run's initial state (the seed's), on those shardings
     step_fn(state, batch) -> (state, loss)   one pure step (it may donate `state`)
     batch_fn(step)  the global batch of `step`: a pure function of (the config, step)
+    (or, for a run that saved a stateful data iterator in its steps, Checkpointer(data_iterator=),
+    batches_from(input_states) in its place: an iterator of the global batches from the position
+    the run's processes saved, `input_states` being every process's saved iterator state by
+    process index (None for a process at the run's start); the verifier reads them from the step
+    it replays from;
+    when the iterator has `input_states()`, the states it has reached, a reproduced step's must equal
+    the ones it saved, so a wrong saved position fails its own step)
     loss_rtol       largest relative difference of a loss across layouts (measured)
     state_rtol      the per-leaf state tolerance across layouts (verifier/tolerances.py)
 
@@ -24,10 +31,14 @@ import importlib
 
 import jax
 
+from checkpointing import compare
+from checkpointing.errors import CorruptCheckpointError
+from checkpointing.input_state import read_input_states
 from runtime.dispatch import blocks_each_step
 
 TRAINER_PROGRAM = "trainer.program:replay_program"
-REQUIRED = ("mesh", "abstract_state", "state_shardings", "init_fn", "step_fn", "batch_fn", "loss_rtol", "state_rtol")
+REQUIRED = ("mesh", "abstract_state", "state_shardings", "init_fn", "step_fn", "loss_rtol", "state_rtol")
+INPUTS = ("batch_fn", "batches_from")  # one of them: the batches as a function of the step, or of saved states
 
 
 class ProgramError(ValueError):
@@ -48,6 +59,8 @@ def load(manifest: dict, mesh):
         raise ProgramError(f"program {reference}: cannot build it from the recorded config "
                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
     missing = [name for name in REQUIRED if not hasattr(program, name)]
+    if not any(hasattr(program, name) for name in INPUTS):
+        missing.append(" or ".join(INPUTS))
     if missing:
         raise ProgramError(f"program {reference}: its factory's result has no {', '.join(missing)}")
     return program
@@ -71,11 +84,59 @@ def code_change(program, manifests: list[dict]) -> str | None:
     return None
 
 
-def replay_losses(program, state, start_step: int, num_steps: int):
-    """Runs `num_steps` steps from `state` (at `start_step`); returns (state, {step: loss})."""
+def replays_input_state(program) -> bool:
+    """Whether `program` replays from saved iterator states (batches_from) rather than the step."""
+    return hasattr(program, "batches_from")
+
+
+def input_states(workdir: str, step: int, program) -> list[dict] | None:
+    """The iterator states a replay of `program` from `step` starts at (None: it needs none);
+    CorruptCheckpointError when the step holds none or an incomplete set."""
+    if not replays_input_state(program):
+        return None
+    states = read_input_states(workdir, step)
+    if states is None:
+        raise CorruptCheckpointError(f"step {step} holds no input iterator state, and its program replays from "
+                                     "one (batches_from)")
+    return states
+
+
+def batches_at(program, states: list[dict] | None, target: list[dict] | None):
+    """The batch iterator a replay from `states` reads (None: the program's batch_fn(step)). From the
+    run's start (`states` None) every process of the run starts afresh: as many as saved `target`,
+    the states of the step the replay proves (a resume on another process count is refused)."""
+    if not replays_input_state(program):
+        return None
+    return iter(program.batches_from(states if states is not None else [None] * len(target or [None])))
+
+
+def input_mismatch(batches, saved: list[dict] | None):
+    """The first process whose replayed iterator state differs from the one the step saved, as a
+    compare.Mismatch (None: equal, or the iterator does not report its states)."""
+    if batches is None or not hasattr(batches, "input_states"):
+        return None
+    reached = list(batches.input_states())
+    for index in range(max(len(reached), len(saved or ()))):
+        want = saved[index] if index < len(saved or ()) else None
+        got = reached[index] if index < len(reached) else None
+        if want != got:
+            return compare.Mismatch("input", f"process {index}", None, None,
+                                    f"the input iterator state of process {index} after the replay is {got}, the step "
+                                    f"saved {want}")
+    return None
+
+
+def input_note(batches) -> str:
+    """What a passing verdict adds when the replay's input position was compared too."""
+    return ", and the input iterator reached the position it saved" if hasattr(batches, "input_states") else ""
+
+
+def replay_losses(program, state, start_step: int, num_steps: int, batches=None):
+    """Runs `num_steps` steps from `state` (at `start_step`), each on `next(batches)` or else on
+    program.batch_fn(step); returns (state, {step: loss})."""
     losses = []
     for step in range(start_step, start_step + num_steps):
-        state, loss = program.step_fn(state, program.batch_fn(step))
+        state, loss = program.step_fn(state, next(batches) if batches is not None else program.batch_fn(step))
         losses.append(loss)
         if blocks_each_step(program.mesh):
             loss.block_until_ready()

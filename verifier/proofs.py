@@ -63,6 +63,7 @@ class HeldStep:
     manifest: dict
     program: object  # verifier/program.py's protocol
     durations: dict
+    input_states: list | None = None
 
 
 class StepProofs(ChainProofs):
@@ -115,6 +116,7 @@ class StepProofs(ChainProofs):
                                      durations), None
             program = self._program_for(manifest)
             state = self._service.restore(step, program.abstract_state).state
+            inputs = program_lib.input_states(self.options.workdir, step, program)
         except program_lib.ProgramError as err:
             return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
         except (FingerprintMismatchError, TreeMismatchError) as err:
@@ -136,7 +138,7 @@ class StepProofs(ChainProofs):
         intact = self._verdict(step, manifest, "intact", "pass",
                                f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
                                complete=False)
-        return intact, HeldStep(state, manifest, program, durations)
+        return intact, HeldStep(state, manifest, program, durations, inputs)
 
     def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
         """The complete verdict of an intact step: the cheap proof where the trainer recorded a probe
@@ -152,7 +154,8 @@ class StepProofs(ChainProofs):
             started = time.perf_counter()
             resume = resume_proof.prove(self._replay, held.program, held.state,
                                         self._copy(held.state, manifest["fixed_hash"], held.program), step, probe,
-                                        manifest["leaves"], (dict(held.program.mesh.shape), jax.process_count()))
+                                        manifest["leaves"], (dict(held.program.mesh.shape), jax.process_count()),
+                                        program_lib.batches_at(held.program, held.input_states, held.input_states))
             held.durations["resume_proof"] = time.perf_counter() - started
         distance = step - self._anchor_step(step, manifest, disk_anchor)
         if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None):
@@ -169,7 +172,7 @@ class StepProofs(ChainProofs):
         manifest = held.manifest
         status = "pass" if resume.mismatch is None else "fail"
         if status == "pass":
-            self._anchor = Anchor(step, held.state, manifest["fixed_hash"])
+            self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
         detail = resume.describe() + (why_only if status == "pass" else "")
         mismatch = None if resume.mismatch is None else resume.mismatch.as_dict()
         return self._verdict(step, manifest, "resumes", status, detail, held.durations, mismatch=mismatch,
@@ -198,8 +201,8 @@ class StepProofs(ChainProofs):
                 return False
         return True
 
-    def _replay(self, program, state, start_step: int, count: int):
-        return program_lib.replay_losses(program, state, start_step, count)
+    def _replay(self, program, state, start_step: int, count: int, batches=None):
+        return program_lib.replay_losses(program, state, start_step, count, batches)
 
     def _verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
                  max_difference=None, replayed_from=None, replayed=0, compared=0) -> dict:

@@ -35,13 +35,14 @@ class ResumeResult:
                 f"losses after it and its per-leaf sums and norms at step {self.summary_step} ({how})")
 
 
-def prove(replay, program, start_state, start_copy, step: int, probe: dict, leaves: dict,
-          layout: tuple) -> ResumeResult:
+def prove(replay, program, start_state, start_copy, step: int, probe: dict, leaves: dict, layout: tuple,
+          batches=None) -> ResumeResult:
     """Replays the probe's window from `start_copy` (a copy of the restored `start_state`: the step may
-    donate it) with `replay(program, state, first, count) -> (state, {step: loss})`, and compares."""
+    donate it) with `replay(program, state, first, count, batches) -> (state, {step: loss})`, and compares.
+    `batches`: the iterator a program that replays from saved input states reads (verifier/program.py)."""
     count = probe["summary_step"] - step
     exact = tolerances.same_layout(*layout, probe)
-    replayed_state, replayed = replay(program, start_copy, step, count)
+    replayed_state, replayed = replay(program, start_copy, step, count, batches)
     recorded = probes.losses(probe)
     mismatch, largest = compare.compare_losses(replayed, recorded, tolerances.loss_rtol(program, exact))
     if mismatch is None:

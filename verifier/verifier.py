@@ -116,14 +116,14 @@ class Verifier(StepProofs):
         self._held[step] = restored
         return None
 
-    def _replay(self, program, state, start_step: int, count: int):
+    def _replay(self, program, state, start_step: int, count: int, batches=None):
         """program.replay_losses in chunks; under --follow, steps committed meanwhile are proved intact
         (and held) between chunks, so their first verdict does not wait for this whole replay."""
         losses = {}
         for first in range(start_step, start_step + count, REPLAY_CHUNK_STEPS):
             steps = min(REPLAY_CHUNK_STEPS, start_step + count - first)
             self._check_stop()
-            state, chunk = program_lib.replay_losses(program, state, first, steps)
+            state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
             losses.update(chunk)
             if self._intact_between_chunks and first + REPLAY_CHUNK_STEPS < start_step + count:
                 self._prove_new_commits_intact()
