@@ -22,8 +22,6 @@ is in <workdir>/logs/. Exit 0 if everything held, 1 otherwise.
 
 import dataclasses
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +38,7 @@ from checkpointing.config import format_mesh
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import entry, exit_codes
+from launch.outcomes import exit_line
 from trainer import models
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Where the demo's runs go (created).")
@@ -50,9 +49,7 @@ MODEL = flags.DEFINE_string("model", "mlp", "Model to train: mlp, transformer or
 
 # Losses reach metrics.jsonl every 5 steps, so the picture shows how far the crashed attempt got.
 TRAIN_FLAGS = ["--batch_size=32", "--log_every_steps=5", "--max_to_keep=100"]
-POD_CODES = re.compile(r"pod exit codes \[([-\d, ]*)\] -> (-?\d+)")
-POD_CODE_MEANINGS = {exit_codes.OK: "success", exit_codes.PREEMPTED: "requeue me", exit_codes.FAILURE: "failure",
-                     exit_codes.BAD_INPUT: "bad input"}
+
 
 
 @dataclasses.dataclass
@@ -65,28 +62,6 @@ def _pod(num_processes: int, devices_per_process: int, module: str, flags_: list
     command = [sys.executable, "-m", "launch.local", f"--num_processes={num_processes}",
                f"--devices_per_process={devices_per_process}", f"--module={module}", "--", *flags_]
     return Launched(subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT), log_path)
-
-
-def process_outcome(code: int) -> str:
-    """One process's end in words: 'killed by SIGKILL', 'exit 75 (preempted)'."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return "aborted by the runtime (SIGABRT)" if code == -signal.SIGABRT else f"killed by {name}"
-    return {exit_codes.PREEMPTED: "exit 75 (preempted)"}.get(code, f"exit {code}")
-
-
-def exit_line(step_name: str, pod_code: int, log_text: str) -> str:
-    """What ended a pod, from its launcher's "pod exit codes [...] -> N" line: each process's cause
-    (a SIGKILL is named as one, not as the pod's requeue code), then the pod's code."""
-    found = POD_CODES.findall(log_text)
-    pod = f"the pod exited {pod_code} ({POD_CODE_MEANINGS.get(pod_code, 'failure')})"
-    if not found:
-        return f"{step_name}: {pod}"
-    codes = [int(c) for c in found[-1][0].split(",") if c.strip()]
-    return f"{step_name}: " + ", ".join(f"process {i} {process_outcome(c)}" for i, c in enumerate(codes)) + f"; {pod}"
 
 
 def _run(step_name: str, launched: Launched, timeout: float = 600) -> int:

@@ -16,7 +16,7 @@ from checkpointing import plot, read_history
 from checkpointing import workdir as workdir_lib
 from checkpointing.history import Attempt, parse_metrics
 from checkpointing.workdir import committed_steps, read_manifest
-from launch import demo
+from launch import outcomes
 from tests import helpers
 from tests.test_metrics import read_scalars
 from trainer import loop, metrics
@@ -182,9 +182,9 @@ def test_the_demo_names_a_sigkill_as_the_crash_cause_not_the_pods_requeue_code()
     log = ("[0] Fatal Python error: Aborted\n"
            "W1201 pod.py:148] process(es) [1] were killed by SIGKILL from outside the pod (lost); ...\n"
            "I1201 pod.py:150] pod exit codes [-6, -9] -> 75\n")
-    line = demo.exit_line("crashed job", 75, log)
+    line = outcomes.exit_line("crashed job", 75, log)
     assert line == ("crashed job: process 0 aborted by the runtime (SIGABRT), process 1 killed by SIGKILL; "
                     "the pod exited 75 (requeue me)")
-    assert demo.exit_line("preempted job", 75, "pod exit codes [75, 75] -> 75") == (
+    assert outcomes.exit_line("preempted job", 75, "pod exit codes [75, 75] -> 75") == (
         "preempted job: process 0 exit 75 (preempted), process 1 exit 75 (preempted); the pod exited 75 (requeue me)")
-    assert demo.exit_line("verifier", 0, "no launcher line") == "verifier: the pod exited 0 (success)"
+    assert outcomes.exit_line("verifier", 0, "no launcher line") == "verifier: the pod exited 0 (success)"
