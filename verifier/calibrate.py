@@ -12,6 +12,7 @@ unless XLA_FLAGS already says how many.
 """
 
 import json
+import math
 import os
 
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # before JAX is imported
@@ -27,7 +28,8 @@ from trainer.config import check_mesh, parse_mesh, validate  # noqa: E402
 from verifier import drift, tolerances  # noqa: E402
 
 MESHES = flags.DEFINE_string("meshes", "data=4,model=2;data=8;data=2,model=4",
-                             "';'-separated meshes: the first records, each other one replays.")
+                             "';'-separated meshes: the first records, each other one replays (each over the "
+                             "first devices it needs).")
 WINDOWS = flags.DEFINE_string("windows", "1,2,4,8,16", "','-separated replay lengths in steps.")
 OUT = flags.DEFINE_string("out", "tolerances.json", "Where the derived tolerances are written (JSON).")
 SAFETY = flags.DEFINE_float("safety", 10.0, "A tolerance is the largest measured drift times this.",
@@ -64,14 +66,15 @@ def main(argv: list[str]) -> None:
     meshes, windows = parse_meshes(MESHES.value), parse_windows(WINDOWS.value)
     if not flags.FLAGS.workdir:
         flags.FLAGS.workdir = "unused"  # the trainer's config wants one; nothing is written there
-    for mesh in meshes:
-        check_mesh(mesh, jax.device_count())
+    sizes = [math.prod(size for _, size in mesh) for mesh in meshes]
+    if max(sizes) > jax.device_count():
+        check_mesh(meshes[sizes.index(max(sizes))], jax.device_count())  # its error says how to fake devices
     config = trainer_flags.config_from_flags()
     # The run covers the windows (a schedule whose length defaults to --steps must not end before them).
-    config = validate(config.replace(mesh=meshes[0], steps=config.steps + windows[-1]), jax.device_count(),
+    config = validate(config.replace(mesh=meshes[0], steps=config.steps + windows[-1]), sizes[0],
                       check_workdir=False)
-    for mesh in meshes[1:]:
-        validate(config.replace(mesh=mesh), jax.device_count(), check_workdir=False)
+    for mesh, size in zip(meshes[1:], sizes[1:]):  # a mesh may use fewer devices than the machine has
+        validate(config.replace(mesh=mesh), size, check_workdir=False)
     logging.info("calibrating %s: %d steps on %s, windows %s on %s", config.model, config.steps - windows[-1],
                  drift.mesh_label(meshes[0]), windows, "; ".join(drift.mesh_label(m) for m in meshes[1:]))
     found = drift.measure(config, meshes, windows, config.steps - windows[-1], NOISE_RATIO.value)

@@ -147,11 +147,17 @@ def loss_drift(actual: list[float], expected: list[float]) -> float:
     return max((relative_difference(a, e) for a, e in zip(actual, expected)), default=0.0)
 
 
+def program_on(config: TrainConfig, mesh: tuple):
+    """`config`'s program on `mesh`, over the first devices it needs (a 2-device mesh beside an 8-device one)."""
+    config = config.replace(mesh=mesh)
+    return build_program(config, build_mesh(config, jax.devices()[:math.prod(size for _, size in mesh)]))
+
+
 def measure(config: TrainConfig, meshes: list[tuple], windows: list[int], start_step: int,
             noise_ratio: float = tolerances.NOISE_RATIO) -> list[WindowDrift]:
     """The drift of every window on every mesh after the first, against the first (module docstring)."""
     windows = sorted(set(windows))
-    reference = build_program(config.replace(mesh=meshes[0]), build_mesh(config.replace(mesh=meshes[0])))
+    reference = program_on(config, meshes[0])
     leaves = leaf_table(reference.abstract_state)
     state = reference.init_fn()
     for step in range(start_step):
@@ -164,7 +170,7 @@ def measure(config: TrainConfig, meshes: list[tuple], windows: list[int], start_
               for kind, (start, first) in broken_starts(anchor).items()}
     found = []
     for mesh in meshes[1:]:
-        program = build_program(config.replace(mesh=mesh), build_mesh(config.replace(mesh=mesh)))
+        program = program_on(config, mesh)
         replayed, replayed_losses = trajectory(program, anchor, start_step, windows)
         for k in windows:
             signal, noise = state_ratios(replayed[k], recorded[k], anchor, leaves, noise_ratio)

@@ -72,6 +72,21 @@ class StateTolerance(float):
     __str__ = float.__repr__
 
 
+def load_tolerances(path: str) -> tuple[float, StateTolerance]:
+    """(cross_mesh_loss_rtol, cross_mesh_state_rtol) from the JSON `python -m verifier.calibrate --out`
+    wrote, for a spec's `tolerances(config)`. A ConfigError when it found the model cannot be proved
+    across layouts (its drift comes too close to the broken-resume signals): prove it on its
+    recording layout instead."""
+    import json
+
+    with open(path) as f:
+        measured = json.load(f)
+    if not measured["provable_across_layouts"]:
+        raise ConfigError(f"{path}: {measured['reason']}")
+    return float(measured["cross_mesh_loss_rtol"]), StateTolerance(
+        measured["cross_mesh_state_rtol"], measured["noise_ratio"], measured["noise_factor"])
+
+
 FIELD_TYPES = (bool, int, float, str)
 
 
