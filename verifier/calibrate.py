@@ -70,6 +70,8 @@ def main(argv: list[str]) -> None:
     if max(sizes) > jax.device_count():
         check_mesh(meshes[sizes.index(max(sizes))], jax.device_count())  # its error says how to fake devices
     config = trainer_flags.config_from_flags()
+    if config.steps < 1:  # at the init the moments are zero and step 0 is the right index: nothing is broken
+        raise ConfigError("--steps must be at least 1: seed 003's broken resumes need a trained state")
     # The run covers the windows (a schedule whose length defaults to --steps must not end before them).
     config = validate(config.replace(mesh=meshes[0], steps=config.steps + windows[-1]), sizes[0],
                       check_workdir=False)
