@@ -1,7 +1,8 @@
 """The trainer's absl flags, generated from the config's fields: each help text and bound lives on
 the field (trainer/config.py, checkpointing/config.py), and `config_from_flags` is the one place the
-parsed flags become a TrainConfig. Only the trainer imports this module: the verifier and inspect
-define their own flags, so a trainer flag given to them is an error, not silently ignored.
+parsed flags become a TrainConfig. Only the trainer (and verifier.calibrate, which measures a
+trainer's model) imports this module: the verifier and inspect define their own flags, so a trainer
+flag given to them is an error, not silently ignored.
 
 A model spec's own fields (trainer.models.ModelField) are flags too, --<name>: absl parses once, so
 the spec is resolved from the command line's --model before parsing (`define_model_flags`, called at

@@ -26,7 +26,7 @@ NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device 
 # .opt_state.acc_grads[...]. The model state (.model_state['batch_stats'][...]) is a float leaf like any
 # other; integer leaves (the step, counts, MultiSteps' mini_step, a stored key's words) are exact.
 _OPT_PATH = r"opt_state(?:\.\w+|\[\d+\])*?"
-_PARAM_LEAF = re.compile(rf"^\.(?:params|{_OPT_PATH}\.(?:mu|nu|acc_grads))(\[.*)$")
+PARAM_LEAF = re.compile(rf"^\.(?:params|{_OPT_PATH}\.(?:mu|nu|acc_grads))(\[.*)$")
 _FIRST_MOMENT = re.compile(rf"^\.{_OPT_PATH}\.mu(\[.*)$")
 
 
@@ -42,25 +42,45 @@ def loss_rtol(program, exact: bool) -> float:
     return 0.0 if exact else program.loss_rtol
 
 
+def noise_rule(rtol) -> tuple[float, float]:
+    """(noise ratio, noise factor) of a state rtol: the defaults, or those a spec measured for its
+    config (a trainer.models.StateTolerance, e.g. bfloat16 compute, carries its own)."""
+    ratio, factor = getattr(rtol, "noise_ratio", None), getattr(rtol, "noise_factor", None)
+    return (NOISE_RATIO if ratio is None else float(ratio)), (NOISE_FACTOR if factor is None else float(factor))
+
+
+def moment_rms(movement: dict, leaves: dict[str, dict]) -> dict[str, float]:
+    """{parameter suffix: RMS of its Adam first moment} of the replayed state."""
+    return {m.group(1): norm / math.sqrt(max(math.prod(leaves[path]["shape"]), 1))
+            for path, (_, norm, _) in movement.items() if (m := _FIRST_MOMENT.match(path))}
+
+
+def noise_leaves(movement: dict, leaves: dict[str, dict], noise_ratio: float = NOISE_RATIO) -> set[str]:
+    """The key paths (a parameter and its optimizer leaves) whose Adam first moment's RMS is at most
+    `noise_ratio` of the largest one: leaves driven by rounding noise. `movement` is
+    leaf_differences(anchor, replayed)."""
+    rms = moment_rms(movement, leaves)
+    largest = max(rms.values(), default=0.0)
+    noise = {suffix for suffix, value in rms.items() if value <= noise_ratio * largest}
+    return {path for path in movement if (match := PARAM_LEAF.match(path)) and match.group(1) in noise}
+
+
+def is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
 def state_tolerances(replayed, anchor, rtol: float, leaves: dict[str, dict]) -> dict[str, float]:
     """{key path: largest ||replayed - saved|| allowed} for a replay from `anchor` on another layout.
 
     `leaves` is the manifest's leaf table (shape and dtype per key path); integer leaves get 0.
     """
     movement = leaf_differences(anchor, replayed)  # path -> (||anchor - replayed||, ||replayed||, finite)
-    rms = {m.group(1): norm / math.sqrt(max(math.prod(leaves[path]["shape"]), 1))
-           for path, (_, norm, _) in movement.items() if (m := _FIRST_MOMENT.match(path))}
-    largest = max(rms.values(), default=0.0)
-    noise = {suffix for suffix, value in rms.items() if value <= NOISE_RATIO * largest}
+    noise_ratio, noise_factor = noise_rule(rtol)
+    noise = noise_leaves(movement, leaves, noise_ratio)
     tolerances = {}
     for path, (moved, norm, _) in movement.items():
-        if not leaves[path]["dtype"].startswith(("float", "bfloat", "complex")):
+        if not is_float(leaves[path]["dtype"]):
             tolerances[path] = 0.0
             continue
-        tolerance = rtol * max(norm, moved)
-        match = _PARAM_LEAF.match(path)
-        if match and match.group(1) in noise:
-            tolerance += NOISE_FACTOR * moved
-        tolerances[path] = tolerance
+        tolerances[path] = float(rtol) * max(norm, moved) + (noise_factor * moved if path in noise else 0.0)
     return tolerances
-

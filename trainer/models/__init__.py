@@ -51,6 +51,42 @@ def accept_any_config(config: TrainConfig) -> None:
     """The default `check_config`: the model takes any config the trainer accepts."""
 
 
+class StateTolerance(float):
+    """A cross_mesh_state_rtol that also carries its own rule for noise-driven leaves
+    (verifier/tolerances.py): a leaf whose Adam first moment's RMS is at most `noise_ratio` of the
+    largest may also differ by `noise_factor` times how far it moved. It is a float everywhere else, so
+    a spec's `tolerances(config)` may return one where the compute dtype changes the rounding noise
+    (bfloat16's is ~6e4 times float32's). None: the verifier's defaults."""
+
+    noise_ratio: float | None
+    noise_factor: float | None
+
+    def __new__(cls, rtol: float, noise_ratio: float | None = None, noise_factor: float | None = None):
+        value = super().__new__(cls, rtol)
+        value.noise_ratio, value.noise_factor = noise_ratio, noise_factor
+        return value
+
+    def __repr__(self) -> str:
+        return f"StateTolerance({float(self)!r}, noise_ratio={self.noise_ratio!r}, noise_factor={self.noise_factor!r})"
+
+    __str__ = float.__repr__
+
+
+def load_tolerances(path: str) -> tuple[float, StateTolerance]:
+    """(cross_mesh_loss_rtol, cross_mesh_state_rtol) from the JSON `python -m verifier.calibrate --out`
+    wrote, for a spec's `tolerances(config)`. A ConfigError when it found the model cannot be proved
+    across layouts (its drift comes too close to the broken-resume signals): prove it on its
+    recording layout instead."""
+    import json
+
+    with open(path) as f:
+        measured = json.load(f)
+    if not measured["provable_across_layouts"]:
+        raise ConfigError(f"{path}: {measured['reason']}")
+    return float(measured["cross_mesh_loss_rtol"]), StateTolerance(
+        measured["cross_mesh_state_rtol"], measured["noise_ratio"], measured["noise_factor"])
+
+
 FIELD_TYPES = (bool, int, float, str)
 
 

@@ -8,15 +8,21 @@ import jax.numpy as jnp
 import optax
 
 from trainer.config import ConfigError, TrainConfig
-from trainer.models import ModelField, ModelSpec
+from trainer.models import ModelField, ModelSpec, StateTolerance
 
 F32_LOSS_RTOL, F32_STATE_RTOL = 2e-4, 1e-4  # float32 compute: measured, see SPEC
-# bfloat16 compute, measured over 20 steps on data=8 and data=2/model=4 against data=4/model=2 at the
-# test sizes: loss lists within 1.5e-3 relative; the bound keeps ~10x. The state bound is not yet
-# measured leaf by leaf (the float32 rule x100). Zeroed Adam moments move the loss by only 1.1e-2 within
-# 4 steps here, under this bound: in bf16 the state comparison, not the loss list, catches them.
+# bfloat16 compute, measured with `python -m verifier.calibrate` (docs/training.md's table) from step 20
+# on data=8 and data=2,model=4 against data=4,model=2 at the test sizes, windows of 1..32 steps: loss
+# lists within 1.5e-3 (bound ~10x); every signal leaf within 6.3e-2 of max(norm, movement) and the
+# smallest broken-resume signal 0.65 (13x): the state bound sits ~3x from both. The attention key
+# biases (gradient: rounding noise) have an Adam first moment 3e-4..7e-4 of the largest, every other
+# leaf's is above 3e-2: bfloat16 noise is ~6e4x float32's, so its noise ratio is 3e-3, not 1e-5.
+# Zeroed Adam moments move the loss by 2.8e-2 within 2 steps, near the loss bound: in bf16 the state
+# comparison, not the loss list, catches them. From the init the biases (zero at init, moved by Adam's
+# first update g/|g|) drift 0.35 after one step and 0.16 from 8 steps on: a first interval shorter than
+# 8 steps does not prove across layouts.
 BF16_LOSS_RTOL = 1.5e-2
-BF16_STATE_RTOL = 1e-2
+BF16_STATE_RTOL = StateTolerance(0.2, noise_ratio=3e-3)
 MAX_STRIDE = 8  # sequences count up by 1..MAX_STRIDE-1 tokens, mod the vocabulary
 
 
@@ -105,7 +111,8 @@ SPEC = ModelSpec(
     check_config=check_config,
     fields=(ModelField("compute_dtype", str, "float32", "activations' dtype; params and Adam moments stay float32",
                        choices=tuple(COMPUTE_DTYPES)),),
-    # bfloat16 compute: measured on data=8, data=4/model=2, data=2/model=4 (docs/training.md's table).
+    # bfloat16 compute: measured on data=8, data=4/model=2, data=2/model=4 (docs/training.md's table), with
+    # its own noise rule (StateTolerance).
     tolerances=lambda config: (BF16_LOSS_RTOL, BF16_STATE_RTOL) if config.model_field("compute_dtype") == "bfloat16"
     else (F32_LOSS_RTOL, F32_STATE_RTOL),
 )
