@@ -86,7 +86,7 @@ def test_a_filtered_pipeline_resumes_from_its_saved_position_is_refused_elsewher
     found = verdicts.read_steps(workdir, steps)
     assert {s: (found[s]["level"], found[s]["status"]) for s in steps} == dict.fromkeys(steps, ("reproduced", "pass"))
     assert [found[s]["replayed_from"] for s in steps] == [0] + steps[:-1]
-    assert all(found[s]["detail"].endswith("the input iterator reached the position it saved") for s in steps)
+    assert all("the input iterator reached the position it saved" in found[s]["detail"] for s in steps)
 
     # A saved position moved by one row fails its own step's proof; the next step is proved past it.
     state_file = os.path.join(workdir, "checkpoints", "40", "input_state", "process_0-of-1.json")
