@@ -30,8 +30,8 @@ from checkpointing.history import Attempt, read_history
 from checkpointing.workdir import committed_steps, read_manifest
 
 FORMATS = (".png", ".svg")
-VERDICT_COLOURS = {"reproduced pass": "tab:green", "replayed pass": "tab:olive", "intact pass": "tab:cyan",
-                   "fail": "tab:red", "gone": "tab:gray", "-": "tab:gray"}
+VERDICT_COLOURS = {"reproduced pass": "tab:green", "resumes pass": "yellowgreen", "replayed pass": "tab:olive",
+                   "intact pass": "tab:cyan", "fail": "tab:red", "gone": "tab:gray", "-": "tab:gray"}
 
 
 @dataclasses.dataclass
