@@ -14,6 +14,7 @@ variant has finished is not sent).
   plain_orbax           the same program, data and loop with a plain async ocp.CheckpointManager
   service_auto          this trainer with --save_every_secs=auto
   service_no_cache      `service` without the persistent compilation cache (restart latency only)
+  service_no_probe      `service` without the cheap proof's probes (--probe_steps=0): what recording them costs
   service_local         `service` plus the local tier: --local_save_every_steps=--save_every_steps/5, to a
                         directory per process beside the workdir (the persistent cadence unchanged)
 With --interruption=sigkill the schedule kills one process instead (a crash, a lost host): no save
@@ -64,7 +65,8 @@ MODEL = flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"], "The trainer's
                           "for longer, so a restart is mostly compilation without the cache).")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Global batch: sets a step's cost, not the save's.", lower_bound=2)
 VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache"],
-                             "Variants to run after `ideal` (also: service_local).")
+                             "Variants to run after `ideal` (also: service_local, "
+                             "service_no_probe).")
 ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs `ideal` and every variant once, in an order rotated "
                               "each round. Per-run ratios are medians over the rounds.", lower_bound=1)
 LOCAL_ROOT = flags.DEFINE_string("local_root", None, "service_local's local tier goes under a fresh directory here "
@@ -133,6 +135,8 @@ def variant_command(variant: str, workdir: str, cache_dir: str, local_prefix: st
         return "trainer.train", [*common[:1], f"--steps={SAVE_EVERY_STEPS.value}", *common[2:], every, cache]
     if variant in ("service", "service_no_cache"):
         return "trainer.train", [*common, every, cache]
+    if variant == "service_no_probe":
+        return "trainer.train", [*common, every, "--probe_steps=0", cache]
     if variant == "service_local":
         local = [f"--local_dir={local_prefix}-{{process}}",
                  f"--local_save_every_steps={max(SAVE_EVERY_STEPS.value // 5, 1)}"]

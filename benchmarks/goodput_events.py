@@ -84,7 +84,8 @@ def spread(values: list[float]) -> dict:
     return {"median": mid, "per_round": values, "relative_range": rel_range, "relative_standard_error": sem}
 
 
-RATIOS = (("service", "plain_orbax"), ("service_auto", "service"), ("service_local", "service"))
+RATIOS = (("service", "plain_orbax"), ("service_auto", "service"), ("service_local", "service"),
+          ("service_no_probe", "service"))
 
 
 def _median(values):
