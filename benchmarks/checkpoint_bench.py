@@ -41,6 +41,7 @@ from absl import flags, logging
 from benchmarks import common
 from runtime import entry
 
+TIMED_VARIANTS = ("saves", "passes", "restores")
 _STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
                                 lower_bound=0.125)
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of processes (each runs every timed variant once).",
@@ -49,10 +50,13 @@ _SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of each variant's
 _WORKDIR = flags.DEFINE_string("workdir", None, "A fresh temporary directory is made under this "
                                "(default /tmp) and deleted at the end.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results to this file as JSON.")
+_VARIANTS = flags.DEFINE_list("variants", list(TIMED_VARIANTS), "Timed variants to run (the RSS ones run only "
+                              "with all three); the ratios of the others' cases are left out.")
+_PIN_CALLER = flags.DEFINE_boolean("pin_caller", False, "Each variant's calling thread on a core of its own, every "
+                                   "other thread on the others (benchmarks/checkpoint_child.py --pin_caller).")
 _CHILD_TIMEOUT = flags.DEFINE_float("child_timeout_secs", 900, "Kill a variant's process after this long.")
 
 CHILD = "benchmarks.checkpoint_child"  # not imported here: it imports JAX and defines the same flags
-TIMED = ["saves", "passes", "restores"]
 RSS = ["rss_service_save", "rss_orbax_save", "rss_restore"]  # in order: the first writes the restore source
 
 # key -> (label, numerator (case, value), denominator (case, value), target or None)
@@ -87,19 +91,21 @@ RSS_KEYS = {"peak_rss_save_over_state": ("service async save + wait", "rss_servi
 def run_variant(name: str, root: str, samples: dict[str, list]) -> None:
     """Runs one variant's process and adds its samples ({"<case>.<value>": [...]}) to `samples`."""
     result = common.run_child(CHILD, [f"--variant={name}", f"--state_gib={_STATE_GIB.value}", f"--root={root}",
-                                      f"--samples={_SAMPLES.value}"], timeout_secs=_CHILD_TIMEOUT.value)
+                                      f"--samples={_SAMPLES.value}", f"--pin_caller={_PIN_CALLER.value}"],
+                              timeout_secs=_CHILD_TIMEOUT.value)
     for key, values in result.items():
         samples[key if "." in key or key == "state_bytes" else f"{name}.{key}"] += values
     logging.info("%s: %s", name, " ".join(f"{k}={statistics.median(v):.4g}" for k, v in result.items()))
 
 
 def measure(root: str) -> dict[str, list]:
-    samples = collections.defaultdict(list)
-    for name in RSS:
-        run_variant(name, root, samples)
+    samples, timed = collections.defaultdict(list), _VARIANTS.value
+    if set(TIMED_VARIANTS) <= set(timed):  # the restores read what rss_service_save writes
+        for name in RSS:
+            run_variant(name, root, samples)
     for repeat in range(_REPEATS.value):
-        shift = repeat % len(TIMED)
-        for name in TIMED[shift:] + TIMED[:shift]:
+        shift = repeat % len(timed)
+        for name in timed[shift:] + timed[:shift]:
             run_variant(name, root, samples)
     return samples
 
@@ -110,11 +116,15 @@ def summarize(samples: dict[str, list]) -> dict:
 
     state_bytes = samples["state_bytes"][0]
     state_gib = state_bytes / 2**30
-    summary = {key: median(*num) / median(*den) for key, (_, num, den, _) in RATIOS.items()}
-    summary["fingerprint_secs_per_gib"] = median("fingerprint_pass", "secs") / state_gib
-    summary["state_read_secs_per_gib"] = median("state_read", "secs") / state_gib
+    have = lambda case, value: bool(samples.get(f"{case}.{value}"))  # a variant left out by --variants
+    summary = {key: median(*num) / median(*den) for key, (_, num, den, _) in RATIOS.items()
+               if have(*num) and have(*den)}
+    if have("fingerprint_pass", "secs"):
+        summary["fingerprint_secs_per_gib"] = median("fingerprint_pass", "secs") / state_gib
+        summary["state_read_secs_per_gib"] = median("state_read", "secs") / state_gib
     for key, (_, variant, _) in RSS_KEYS.items():
-        summary[key] = median(variant, "extra_bytes") / state_bytes
+        if have(variant, "extra_bytes"):
+            summary[key] = median(variant, "extra_bytes") / state_bytes
     parts = [key.split(":", 1)[1] for key in samples if key.startswith("async_save.part:")]
     summary["blocking_parts_secs"] = {part: median("async_save", f"part:{part}") for part in parts}
     top_level = [samples[f"async_save.part:{part}"] for part in parts if "/" not in part]  # '/': inside another
@@ -137,18 +147,23 @@ def report(summary: dict, samples: dict, load: dict) -> str:
              "",
              "| key | ratio | value | target | numerator | denominator |", "|---|---|---|---|---|---|"]
     for key, (label, num, den, target) in RATIOS.items():
+        if key not in summary:
+            continue
         met = "reported" if target is None else f"<= {target:g} {'met' if summary[key] <= target else 'MISSED'}"
         lines.append(f"| `{key}` | {label} | {summary[key]:.3f} | {met} | {'.'.join(num)} [{raw(*num)}] | "
                      f"{'.'.join(den)} [{raw(*den)}] |")
     for key, (label, variant, target) in RSS_KEYS.items():
+        if key not in summary:
+            continue
         met = "reported" if target is None else f"<= {target:g} {'met' if summary[key] <= target else 'MISSED'}"
         lines.append(f"| `{key}` | peak RSS above the live state during a {label} / the state's bytes | "
                      f"{summary[key]:.3f} | {met} | {samples[f'{variant}.extra_bytes'][0] / 2**20:.0f} MiB | "
                      f"{summary['state_bytes'] / 2**20:.0f} MiB |")
-    lines += ["", f"Fingerprint pass {summary['fingerprint_secs_per_gib']:.3f} s/GiB; one read of the state "
-              f"{summary['state_read_secs_per_gib']:.3f} s/GiB "
-              "(`fingerprint_secs_per_gib`, `state_read_secs_per_gib`).",
-              "", "Where async save() blocks (medians, seconds): " + ", ".join(
+    if "fingerprint_secs_per_gib" in summary:
+        lines += ["", f"Fingerprint pass {summary['fingerprint_secs_per_gib']:.3f} s/GiB; one read of the state "
+                  f"{summary['state_read_secs_per_gib']:.3f} s/GiB (`fingerprint_secs_per_gib`, "
+                  "`state_read_secs_per_gib`)."]
+    lines += ["", "Where async save() blocks (medians, seconds): " + ", ".join(
                   f"{part} {secs:.4f}" for part, secs in summary["blocking_parts_secs"].items())
               + f"; in all {summary['medians_secs']['async_save.blocking']:.4f} "
               f"(plain Orbax {summary['medians_secs']['orbax_save.blocking']:.4f})."]

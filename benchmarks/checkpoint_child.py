@@ -16,6 +16,7 @@ import gc
 import json
 import os
 import shutil
+import threading
 import time
 
 import jax
@@ -40,6 +41,9 @@ _STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, Gi
                                 lower_bound=0.125)
 _ROOT = flags.DEFINE_string("root", None, "The benchmark's scratch directory.", required=True)
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of the variant's cases.", lower_bound=1)
+_PIN_CALLER = flags.DEFINE_boolean("pin_caller", False, "Before each case, the calling thread on the first core "
+                                   "and every other thread (XLA's device threads, Orbax's) on the others: disjoint "
+                                   "cores for the caller and the work it dispatches.")
 
 LEAF_SHAPE = (8192, 4096)  # 128 MiB of float32
 RUN = RunMetadata(config={"bench": True}, fixed_fields={}, fixed_hash="bench", mesh={"data": 4, "model": 2})
@@ -98,6 +102,23 @@ def settle() -> None:
     """Frees the last run's host buffers and flushes its writes, so neither lands in the next one."""
     gc.collect()
     os.sync()
+    if _PIN_CALLER.value:
+        pin_caller()
+
+
+def pin_caller() -> None:
+    """--pin_caller: this (the calling) thread on the first allowed core, every other thread on the rest.
+    Threads started later inherit their creator's cores, so it runs again before each case."""
+    cores = sorted(os.sched_getaffinity(0) | set().union(*(os.sched_getaffinity(int(t))
+                                                          for t in os.listdir("/proc/self/task"))))
+    if len(cores) < 2:
+        raise ValueError(f"--pin_caller needs 2 cores, this process may use {cores}")
+    me = threading.get_native_id()
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, cores[:1] if tid == me else cores[1:])
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
 
 
 def require(*names: str, where: str) -> None:

@@ -14,6 +14,7 @@ variant has finished is not sent).
   plain_orbax           the same program, data and loop with a plain async ocp.CheckpointManager
   service_auto          this trainer with --save_every_secs=auto
   service_no_cache      `service` without the persistent compilation cache (restart latency only)
+  service_no_probe      `service` without the cheap proof's probes (--probe_steps=0): what recording them costs
   service_local         `service` plus the local tier: --local_save_every_steps=--save_every_steps/5, to a
                         directory per process beside the workdir (the persistent cadence unchanged)
 With --interruption=sigkill the schedule kills one process instead (a crash, a lost host): no save
@@ -39,6 +40,7 @@ import atexit
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +52,7 @@ import psutil
 from absl import app, flags, logging
 
 from benchmarks.common import ROOT
+from benchmarks.goodput_events import event_report
 from benchmarks.goodput_report import report, summarise, targets
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
@@ -62,11 +65,16 @@ MODEL = flags.DEFINE_enum("model", "mlp", ["mlp", "transformer"], "The trainer's
                           "for longer, so a restart is mostly compilation without the cache).")
 BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Global batch: sets a step's cost, not the save's.", lower_bound=2)
 VARIANTS = flags.DEFINE_list("variants", ["service", "plain_orbax", "service_auto", "service_no_cache"],
-                             "Variants to run after `ideal` (also: service_local).")
+                             "Variants to run after `ideal` (also: service_local, "
+                             "service_no_probe).")
 ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs `ideal` and every variant once, in an order rotated "
                               "each round. Per-run ratios are medians over the rounds.", lower_bound=1)
 LOCAL_ROOT = flags.DEFINE_string("local_root", None, "service_local's local tier goes under a fresh directory here "
                                  "(e.g. /dev/shm, a RAM disk), removed at the end (default: beside the workdirs).")
+SCHEDULE = flags.DEFINE_enum(
+    "schedule", "step", ["step", "time"], "When the k-th interruption comes: once the running pod has logged a seeded "
+    "step (every round and variant loses the same work and relaunches as often), or at a seeded wall time from the "
+    "variant's start (drawn from the first ideal run: a slow ideal run or a fast variant can miss one).")
 INTERRUPTION = flags.DEFINE_enum("interruption", "sigterm", ["sigterm", "sigkill"],
                                  "What the schedule sends one process: a preemption, or a crash.")
 TIMEOUT_SECS = flags.DEFINE_float("timeout_secs", 570, "The whole benchmark is stopped (every process killed) "
@@ -76,7 +84,8 @@ PERSISTENT = flags.DEFINE_enum("persistent", "disk", ["disk", "gcs"],
                                "Where the trainer variants' workdirs are: local disk, or the GCS emulator.")
 WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a temporary directory, removed).")
 
-TRAIN = ["--mesh=data=2", "--num_layers=4", "--log_every_steps=5", "--max_to_keep=1000", "--lease_secs=5"]
+# Every step's progress line stamps its end: the per-event costs come from them (goodput_events.py).
+TRAIN = ["--mesh=data=2", "--num_layers=4", "--log_every_steps=1", "--max_to_keep=1000", "--lease_secs=5"]
 _LIVE: set[int] = set()  # process groups still running, killed on any exit
 
 
@@ -126,6 +135,8 @@ def variant_command(variant: str, workdir: str, cache_dir: str, local_prefix: st
         return "trainer.train", [*common[:1], f"--steps={SAVE_EVERY_STEPS.value}", *common[2:], every, cache]
     if variant in ("service", "service_no_cache"):
         return "trainer.train", [*common, every, cache]
+    if variant == "service_no_probe":
+        return "trainer.train", [*common, every, "--probe_steps=0", cache]
     if variant == "service_local":
         local = [f"--local_dir={local_prefix}-{{process}}",
                  f"--local_save_every_steps={max(SAVE_EVERY_STEPS.value // 5, 1)}"]
@@ -175,15 +186,18 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
         log_path = os.path.join(root, f"{variant}-{len(launches)}.log")
         launched_at = time.time()
         proc = launch(module, args, log_path)
+        progress = LogProgress(log_path)
         while proc.poll() is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{variant}: past the benchmark's --timeout_secs")
-            if pending and time.monotonic() - begin >= pending[0][0]:
+            due = pending and (progress.newest_step() >= pending[0][0] if SCHEDULE.value == "step"
+                               else time.monotonic() - begin >= pending[0][0])
+            if due:
                 _, process_id = pending.pop(0)
                 interrupt_one(proc, process_id)
-            time.sleep(0.05)
+            time.sleep(0.02)
         _LIVE.discard(proc.pid)
-        launches.append((launched_at, open(log_path).read()))
+        launches.append((launched_at, open(log_path).read(), time.time()))
         logging.info("%s launch %d: exit %d after %.1fs", variant, len(launches) - 1, proc.returncode,
                      time.monotonic() - begin)
         if proc.returncode == 0:
@@ -193,9 +207,35 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
     return summarise(variant, time.monotonic() - begin, launches, workdir)
 
 
+class LogProgress:
+    """The newest step process 0 has logged in a launch's log (read on from where the last call stopped)."""
+
+    def __init__(self, path: str):
+        self._path, self._offset, self._tail, self._newest = path, 0, "", -1
+
+    def newest_step(self) -> int:
+        with open(self._path) as f:
+            f.seek(self._offset)
+            text = self._tail + f.read()
+            self._offset = f.tell()
+        lines = text.split("\n")
+        self._tail = lines.pop()  # a line still being written
+        for line in lines:
+            if (match := STEP_LOGGED.search(line)) and line.startswith("[0]"):
+                self._newest = max(self._newest, int(match[1]))
+        return self._newest
+
+
+STEP_LOGGED = re.compile(r"\] step (\d+) loss ")
+
+
 def preemption_schedule(rng: random.Random, ideal_secs: float, count: int) -> list[tuple[float, int]]:
-    """(offset from the variant's start, process id) per SIGTERM: the k-th at (0.3 + 0.7 k + U(0, 0.1)) x the
-    ideal wall time, far enough apart that each lands in training rather than in the previous restart."""
+    """(when, process id) per interruption. --schedule=step: the k-th once step (k + 0.5 + U(0, 0.2)) / (count +
+    0.5) x --steps is logged; --schedule=time: at (0.3 + 0.7 k + U(0, 0.1)) x the ideal wall time from the
+    variant's start. Far enough apart that each lands in training rather than in the previous restart."""
+    if SCHEDULE.value == "step":
+        return [(int(STEPS.value * (k + 0.5 + rng.uniform(0.0, 0.2)) / (count + 0.5)), rng.choice([0, 1]))
+                for k in range(count)]
     return [(ideal_secs * (0.3 + 0.7 * k + rng.uniform(0.0, 0.1)), rng.choice([0, 1])) for k in range(count)]
 
 
@@ -223,7 +263,8 @@ def main(argv: list[str]) -> None:
             if not schedule:  # drawn once, from the first ideal run: every round and variant gets the same
                 schedule = preemption_schedule(random.Random(SEED.value), results["ideal"]["wall_secs"],
                                                PREEMPTIONS.value)
-                logging.info("preemption schedule (secs from each variant's start, process): %s",
+                logging.info("preemption schedule (%s, process): %s",
+                             "steps" if SCHEDULE.value == "step" else "secs from each variant's start",
                              [(round(t, 1), p) for t, p in schedule])
             shift = round_ % len(VARIANTS.value)
             for variant in VARIANTS.value[shift:] + VARIANTS.value[:shift]:
@@ -236,6 +277,9 @@ def main(argv: list[str]) -> None:
         if local_root:
             shutil.rmtree(local_root, ignore_errors=True)
     table, out = report(rounds)
+    events_table, events = event_report(rounds)
+    out.update(events)
+    table += "\n\nPer-event costs, measured within each launch (benchmarks/goodput_events.py):\n\n" + events_table
     out["schedule"] = schedule
     out["load_average"] = os.getloadavg()
     sys.stdout.write(table + "\n\n" + "\n".join(targets(out)) + "\n")

@@ -4,7 +4,9 @@ The real trainer (`python -m trainer.train`, mlp, data=4,model=2 over 8 fake CPU
 two Adam moments >= 256 MiB) runs as a subprocess, alone or with the real verifier following it
 (`python -m verifier.verify --follow --mesh=<--verifier_mesh>`, by default data=4,model=2 on 8 fake CPU
 devices of its own, polling every 0.1-0.5s),
-one verifier variant per --replay_steps value (its default 100, and 0: intact proofs only):
+one verifier variant per --verify_budgets value: 0, the cheap proof at every save (a few steps replayed from
+it against the trainer's probe; the full proof at the final step only), and 1, the full proof of every
+interval too:
 
   1. verdict latency: from a step's commit (this process polls every 5 ms for the step's directory,
      `<workdir>/checkpoints/<step>`, which Orbax renames from `<step>.orbax-checkpoint-tmp-*`) to
@@ -17,6 +19,9 @@ one verifier variant per --replay_steps value (its default 100, and 0: intact pr
      Also the verifier's own restore time (the verdict's durations_secs) over the plain one.
   2. trainer steps/s (its `done:` line) with the verifier following, over steps/s alone. The
      verifier competes for the same CPU cores, so this is reported, not judged.
+  3. the verifier's pace, from the first commit to the final step's complete verdict: the trainer's
+     steps it proved per second, and the steps it replayed per second (its compute), each over the
+     trainer's steps/s (benchmarks/verifier_pace.py).
 
 Only ratios are judged; both sides come from the same run. Each round runs every variant in an
 order rotated each round, after a sync; every ratio is a ratio of medians. Subprocesses are killed
@@ -39,6 +44,7 @@ import time
 
 from absl import app, flags, logging
 
+from benchmarks.verifier_pace import LEVELS, ratios, verifier_pace
 from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout, named once
 
 _STEPS = flags.DEFINE_integer("steps", 40, "Training steps per run.")
@@ -55,7 +61,10 @@ _BATCH = flags.DEFINE_integer("batch_size", 64, "Global batch size.")
 _VERIFIER_MESH = flags.DEFINE_string("verifier_mesh", "data=4,model=2", "The verifier's (and the plain restore's) "
                                      "mesh; its device count is the product of the sizes.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs every variant once.")
-_REPLAY = flags.DEFINE_list("replay_steps", ["100", "0"], "Verifier --replay_steps values, one variant each.")
+_BUDGETS = flags.DEFINE_list("verify_budgets", ["0", "1"], "Verifier --verify_budget values, one variant each: 0 the "
+                              "cheap proof at every save (the full one at the final step only), 1 the full proof "
+                              "of every interval (and the cheap one).")
+_REPLAY = flags.DEFINE_integer("replay_steps", 100, "The verifier's --replay_steps in every variant.", lower_bound=0)
 _RESTORE_REPEATS = flags.DEFINE_integer("restore_repeats", 3, "Plain restores of each measured step.")
 _RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 300, "Kill a run's processes after this long.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default /tmp), deleted at the end.")
@@ -108,8 +117,8 @@ def scan(step_dir: str, verdict_dir: str, commits: dict, verdicts: dict, complet
                 complete[int(match[1])] = (now, verdict)
 
 
-def run_once(run_dir: str, replay: str | None) -> dict:
-    """One training run, with a following verifier unless `replay` is None."""
+def run_once(run_dir: str, budget: str | None) -> dict:
+    """One training run, with a following verifier of --verify_budget=`budget` unless it is None."""
     ckpt = os.path.join(run_dir, "ckpt")
     os.makedirs(ckpt)
     train = [sys.executable, "-m", "trainer.train", f"--workdir={ckpt}", "--model=mlp", "--mesh=data=4,model=2",
@@ -117,11 +126,12 @@ def run_once(run_dir: str, replay: str | None) -> dict:
              f"--batch_size={_BATCH.value}", f"--steps={_STEPS.value}", f"--save_every_steps={_SAVE_EVERY.value}",
              "--max_to_keep=100"]
     verify = [sys.executable, "-m", "verifier.verify", f"--workdir={ckpt}", f"--mesh={_VERIFIER_MESH.value}",
-              "--follow", "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={replay}"]
+              "--follow", "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={_REPLAY.value}",
+              f"--verify_budget={budget}"]
     commits, verdicts, complete, procs = {}, {}, {}, {}
     dirs = str(step_dir(ckpt, 0).parent), str(verdict_file(ckpt, 0).parent)  # '<step>', '<step>.json' inside
     try:  # the verifier first, so that it is polling by the first commit
-        for name, command, devices in ([("verify", verify, verifier_devices())] if replay is not None else []) + \
+        for name, command, devices in ([("verify", verify, verifier_devices())] if budget is not None else []) + \
                 [("train", train, 8)]:
             with open(os.path.join(run_dir, f"{name}.log"), "w") as log:
                 procs[name] = subprocess.Popen(command, cwd=ROOT, env=env(devices), stdout=log,
@@ -143,16 +153,19 @@ def run_once(run_dir: str, replay: str | None) -> dict:
         if procs[name].returncode != 0:
             raise RuntimeError(f"{name} exited {procs[name].returncode}; log tail:\n{logs[name][-3000:]}")
     steps_per_sec = float(DONE.findall(logs["train"])[-1])
-    if len(commits) < 2 or replay is not None and (set(commits) - set(complete) or
+    if len(commits) < 2 or budget is not None and (set(commits) - set(complete) or
                                                   any(v["status"] != "pass" for _, v in complete.values())):
         raise RuntimeError(f"too few commits, or missing or failing verdicts, in {run_dir}: {commits} {verdicts}")
     logging.info("run %s: %.3f steps/s, commit->verdict %s", run_dir, steps_per_sec,
                  {s: round(verdicts[s][0] - commits[s], 2) for s in commits if s in verdicts})
     steps = [s for s in sorted(commits)[1:] if s in complete]  # the first carries start-up and compiles
-    return {"steps_per_sec": [steps_per_sec], "latency": [verdicts[s][0] - commits[s] for s in steps],
-            "complete_latency": [complete[s][0] - commits[s] for s in steps],
-            "verifier_restore": [complete[s][1]["durations_secs"]["restore"] for s in steps],
-            "levels": [complete[s][1]["level"] for s in steps]}
+    out = {"steps_per_sec": [steps_per_sec], "latency": [verdicts[s][0] - commits[s] for s in steps],
+           "complete_latency": [complete[s][0] - commits[s] for s in steps],
+           "verifier_restore": [complete[s][1]["durations_secs"]["restore"] for s in steps],
+           "levels": [complete[s][1]["level"] for s in steps]}
+    if budget is not None:
+        out.update(verifier_pace(commits, complete, steps_per_sec))
+    return out
 
 
 def restore_child(workdir: str) -> None:
@@ -205,34 +218,31 @@ def report(results: dict, restore: dict, other: tuple) -> str:
     plain = ("restore", restore["times"])
     lines = [f"Verifier benchmark: mlp state of {restore['bytes'] / 2**20:.1f} MiB (params + 2 Adam moments), "
              f"trainer on data=4,model=2 (8 CPU devices), verifier on {_VERIFIER_MESH.value} "
-             f"({verifier_devices()} CPU devices of its own); {_STEPS.value} steps "
+             f"({verifier_devices()} CPU devices of its own, --replay_steps={_REPLAY.value}); {_STEPS.value} steps "
              f"saving every {_SAVE_EVERY.value}; medians over {_ROUNDS.value} rounds (variants rotated), raw values in "
              f"brackets. Latencies leave out each run's first step. Other processes used {other[0]:.0f} CPU-s in the "
              f"{other[1]:.0f}s it ran ({other[0] / other[1] / os.cpu_count():.1%} of {os.cpu_count()} cores).", "",
              "| ratio | value | target | met | numerator | denominator |", "|---|---|---|---|---|---|"]
-    lines += [row(f"commit -> first (intact) verdict (replay_steps={r}) / plain restore",
-                  ("latency", gather(r, "latency")), plain, 1.5) for r in _REPLAY.value]
-    lines += [row(f"commit -> complete verdict (replay_steps={r}) / plain restore",
-                  ("latency", gather(r, "complete_latency")), plain) for r in _REPLAY.value]
-    lines += [row(f"verifier's own restore (replay_steps={r}) / plain restore",
-                  ("verdict restore", gather(r, "verifier_restore")), plain) for r in _REPLAY.value]
-    lines += [row(f"training steps/s with verifier (replay_steps={r}) / alone", ("with", gather(r, "steps_per_sec")),
-                  ("alone", gather(None, "steps_per_sec")), unit=" steps/s") for r in _REPLAY.value]
-    lines += [""] + [f"Complete verdicts (replay_steps={r}): {levels.count('intact')} intact, "
-                     f"{levels.count('replayed')} replayed, {levels.count('reproduced')} reproduced."
-                     for r in _REPLAY.value for levels in [gather(r, "levels")]]
+    budgets = _BUDGETS.value
+    lines += [row(f"commit -> first verdict (verify_budget={b}) / plain restore",
+                  ("latency", gather(b, "latency")), plain, 1.5) for b in budgets]
+    lines += [row(f"commit -> complete verdict (verify_budget={b}) / plain restore",
+                  ("latency", gather(b, "complete_latency")), plain) for b in budgets]
+    lines += [row(f"verifier's own restore (verify_budget={b}) / plain restore",
+                  ("verdict restore", gather(b, "verifier_restore")), plain) for b in budgets]
+    lines += [row(f"trainer steps proved per second (verify_budget={b}) / trainer steps/s",
+                  ("proved", gather(b, "proved_steps_per_sec")), ("trained", gather(b, "train_steps_per_sec")),
+                  unit=" steps/s") for b in budgets]
+    lines += [row(f"verifier's replayed steps per second (verify_budget={b}) / trainer steps/s",
+                  ("replayed", gather(b, "replayed_steps_per_sec")), ("trained", gather(b, "train_steps_per_sec")),
+                  unit=" steps/s") for b in budgets]
+    lines += [row(f"training steps/s with verifier (verify_budget={b}) / alone", ("with", gather(b, "steps_per_sec")),
+                  ("alone", gather(None, "steps_per_sec")), unit=" steps/s") for b in budgets]
+    lines += [""] + [f"verify_budget={b}: complete verdicts {', '.join(f'{levels.count(lv)} {lv}' for lv in LEVELS)}; "
+                     f"steps replayed / steps trained {statistics.median(gather(b, 'replayed_over_trained')):.2f}; "
+                     f"final commit -> its complete verdict {statistics.median(gather(b, 'final_lag_secs')):.2f}s."
+                     for b in budgets for levels in [gather(b, "levels")]]
     return "\n".join(lines)
-
-
-def ratios(results: dict, restore: dict) -> dict:
-    """The judged ratios as data; the replaying variant is the first --replay_steps value."""
-    plain = statistics.median(restore["times"])
-    replaying = _REPLAY.value[0]
-    latency = [x for run in results[replaying] for x in run["latency"]]
-    complete = [x for run in results[replaying] for x in run["complete_latency"]]
-    return {"first_intact_verdict_over_restore": statistics.median(latency) / plain,
-            "first_reproducible_verdict_over_restore": statistics.median(complete) / plain,
-            "plain_restore_secs": plain}
 
 
 def main(argv):
@@ -242,7 +252,7 @@ def main(argv):
     if state_mib(_HIDDEN.value) < 256:
         raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below 256 MiB: raise --hidden_dim")
     root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or "/tmp")
-    variants = [None] + _REPLAY.value
+    variants = [None] + _BUDGETS.value
     results, keep, other, started = {variant: [] for variant in variants}, None, other_cpu_secs(), time.time()
     try:
         logging.info("state %.1f MiB; workdir %s", state_mib(_HIDDEN.value), root)
@@ -250,7 +260,7 @@ def main(argv):
             shift = round_ % len(variants)
             for variant in variants[shift:] + variants[:shift]:
                 os.sync()
-                run_dir = os.path.join(root, f"round{round_}_{'alone' if variant is None else 'replay' + variant}")
+                run_dir = os.path.join(root, f"round{round_}_{'alone' if variant is None else 'budget' + variant}")
                 results[variant].append(run_once(run_dir, variant))
                 if variant is not None:  # keep the newest verifier run's checkpoints for the restore baseline
                     keep, run_dir = run_dir, keep
@@ -261,7 +271,7 @@ def main(argv):
         print(report(results, restore, (other_cpu_secs() - other, time.time() - started)))
         if _JSON_OUT.value:
             with open(_JSON_OUT.value, "w") as f:
-                json.dump(ratios(results, restore), f, indent=1)
+                json.dump(ratios(results, restore, _BUDGETS.value), f, indent=1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

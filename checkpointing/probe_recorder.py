@@ -4,9 +4,12 @@ A window opens when a persistent save of S starts (or the run resumes from a per
 the losses of steps S .. S+k-1 as device scalars as they come, and at step S+k dispatches the state's
 per-leaf summaries (one jit, every process: it is a collective on the mesh). Nothing waits: a window is
 written by process 0 at a later step boundary, once S has committed and its values are on the host
-(`is_ready`), or at close. k is `probe_steps`, shortened by the run's end; 0 records none.
+(`is_ready`), or at close. k is `probe_steps`, shortened by the run's end; 0 records none. The file
+itself (a read of the manifest, a durable write: two fsyncs) is written on a thread of its own, so the
+step loop never waits for the disk; close waits for it.
 """
 
+import concurrent.futures
 import dataclasses
 
 import jax
@@ -34,6 +37,8 @@ class ProbeRecorder:
         self._mesh = dict(mesh_shape)
         self._windows: list[_Window] = []
         self._failed = False  # one warning per run for a probe that cannot be written
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # started at the first probe
+        self._writes: list[concurrent.futures.Future] = []
 
     def saved(self, step: int, committed: bool = False) -> None:
         """A persistent save of `step` started (committed=True: the run resumed from it)."""
@@ -62,6 +67,12 @@ class ProbeRecorder:
         """Writes every complete window (waiting for its values); drops the ones the run never reached."""
         self._write(ready_only=False)
         self._windows = []
+        for write in self._writes:
+            write.result()  # _store never raises: it warns
+        self._writes = []
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def _write(self, ready_only: bool) -> None:
         keep = []
@@ -74,24 +85,35 @@ class ProbeRecorder:
         self._windows = keep
 
     def _write_one(self, window: _Window) -> None:
+        if len(window.losses) != window.end - window.step:
+            missing = sorted(set(range(window.step, window.end)) - set(window.losses))
+            self._warn(window.step, CheckpointError(f"losses of steps {missing} were not given to on_step"))
+            return
+        values = jax.device_get(dict(window.losses))  # ready (is_ready), or at close: no wait in the loop
+        losses, summaries = {s: float(v) for s, v in values.items()}, probes.to_host(window.summaries)
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe-writer")
+        self._writes = [w for w in self._writes if not w.done()]
+        self._writes.append(self._writer.submit(self._store, window.step, window.end, losses, summaries))
+
+    def _store(self, step: int, end: int, losses: dict, summaries: dict) -> None:
+        """On the writer thread: the probe file of `step`, unless one for the same save exists."""
         try:
-            if len(window.losses) != window.end - window.step:
-                missing = sorted(set(range(window.step, window.end)) - set(window.losses))
-                raise CheckpointError(f"losses of steps {missing} were not given to on_step")
-            existing = probes.read(self._workdir, window.step)
-            digest = workdir_lib.read_manifest(self._workdir, window.step)["digest"]
+            existing = probes.read(self._workdir, step)
+            digest = workdir_lib.read_manifest(self._workdir, step)["digest"]
             if existing is not None and existing["manifest_digest"] == digest:
                 return  # the attempt that saved it continued from its own state: the better witness
-            values = jax.device_get(dict(window.losses))
             probes.write(self._workdir, probes.make(
-                step=window.step, manifest_digest=digest, losses={s: float(v) for s, v in values.items()},
-                summary_step=window.end, summaries=probes.to_host(window.summaries), mesh=self._mesh,
-                process_count=jax.process_count()))
+                step=step, manifest_digest=digest, losses=losses, summary_step=end, summaries=summaries,
+                mesh=self._mesh, process_count=jax.process_count()))
         except (CheckpointError, OSError) as err:  # a reader's file: never the run's failure
-            if not self._failed:
-                logging.warning("probe of step %d not recorded (%s); the verifier's cheap proof of it waits for none",
-                                window.step, one_line_cause(err))
-            self._failed = True
+            self._warn(step, err)
+
+    def _warn(self, step: int, err: Exception) -> None:
+        if not self._failed:
+            logging.warning("probe of step %d not recorded (%s); the verifier's cheap proof of it waits for none",
+                            step, one_line_cause(err))
+        self._failed = True
 
 
 def _ready(window: _Window) -> bool:

@@ -15,8 +15,6 @@
 
 import concurrent.futures
 import dataclasses
-import hashlib
-import json
 import time
 from typing import Callable, Iterable
 
@@ -33,30 +31,10 @@ from checkpointing.config import CheckpointConfig
 from checkpointing import manifest as manifest_lib
 from checkpointing import workdir as workdir_lib
 from checkpointing.checks import check_config_matches, check_fingerprints, check_tree_matches
+from checkpointing.run_metadata import RunMetadata  # noqa: F401  (here since the service's first version)
 from runtime import collective
 from checkpointing.errors import (AsyncSaveError, CorruptCheckpointError, NoSuchCheckpointError,
                                   StepAlreadyCommittedError, one_line_cause)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunMetadata:
-    """What every manifest of this run records about the run (the service never interprets `config`)."""
-
-    config: dict
-    fixed_fields: dict  # fields a resume must not change
-    fixed_hash: str
-    mesh: dict[str, int]
-    program: str | None = None  # "package.module:factory" the verifier replays with (checkpointing/replay.py)
-    init_from: dict | None = None  # {"workdir", "step", "digest"}: the other run's step this one started from
-
-    @classmethod
-    def of_run(cls, config: dict, fixed: Iterable[str], mesh: dict[str, int], **identity) -> "RunMetadata":
-        """The identity of a run from its whole config (JSON) and the names of the fields a resume must
-        not change; the hash is of those fields alone, so the others (cadences, the mesh) may change."""
-        fixed_fields = {name: config[name] for name in fixed}
-        blob = json.dumps(fixed_fields, sort_keys=True).encode()
-        return cls(config=config, fixed_fields=fixed_fields, fixed_hash=hashlib.sha256(blob).hexdigest()[:16],
-                   mesh=dict(mesh), **identity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +244,7 @@ class CheckpointService:
         # Local copies fail one at a time (a disk, a replica's bytes): every process must take the same
         # way on (local_tier.on_every_process), or one would wait forever in a collective the others left.
         agreed = (lambda part: local_tier.on_every_process(step, part)) if local else (lambda part: part())
+        fingerprint_lib.compile_ahead(abstract_state)  # the check's pass compiles while Orbax reads the arrays
         manifest = agreed(checked_manifest)
         state = agreed(lambda: self._read_arrays(step, abstract_state))
         agreed(lambda: check_fingerprints(step, manifest, state))
