@@ -18,7 +18,6 @@ save in flight, so it cannot race the next writer, and releases the lease). docs
 import dataclasses
 from typing import Callable, Iterable
 
-from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import input_state
 from checkpointing import lease as lease_lib
 from checkpointing import restore as restore_lib
@@ -108,9 +107,6 @@ class Checkpointer:
         shardings of `abstract_state` (ShapeDtypeStructs, e.g. jax.eval_shape of the init with the current
         mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn().
         With a data_iterator, a restored step also sets it to the position this process saved there."""
-        # The fingerprint pass compiles on its own thread meanwhile: the restore's check and the first
-        # save then only run it (fingerprint.compile_ahead).
-        fingerprint_lib.compile_ahead(abstract_state)
         with self.watchdog.bounded("restoring", self.watchdog.timeout_secs):
             start = restore_lib.restore_or_init(self.options, self.service, self.local, self._candidates,
                                                 abstract_state, init_fn, self.run.init_from)

@@ -13,10 +13,7 @@ reduction fused with the mixing, so no element's word is ever written to memory.
 10x a read.) Manifests store these values: tests/test_fingerprint.py pins them.
 """
 
-import collections
-import concurrent.futures
 import functools
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -90,14 +87,7 @@ def tree_fingerprints(tree):
     """A tree of uint32[2] fingerprints, one per leaf; dispatches asynchronously like any jit.
 
     Every leaf must live on one mesh (the program's; the result is replicated on it) or on one device.
-    The executable compile_ahead made for a tree like this one runs if there is one (the same pass).
     """
-    compiled = _ahead_of_time(tree)
-    if compiled is not None:
-        try:
-            return compiled(tree)
-        except (TypeError, ValueError):  # an input it was not compiled for (a weak type, another layout)
-            pass
     return _fingerprint_fn(getattr(jax.tree.leaves(tree)[0].sharding, "mesh", None))(tree)
 
 
@@ -111,52 +101,3 @@ def to_ints(fingerprints) -> dict[str, int]:
 
 def fingerprint_tree(tree) -> dict[str, int]:
     return to_ints(tree_fingerprints(tree))
-
-
-# Executables of the pass compiled ahead of time (compile_ahead), by the tree's structure, shapes, dtypes and
-# shardings. jit's own cache is not shared with ahead-of-time compilation: without this, the first call
-# after compile_ahead would trace and lower again.
-_AHEAD: collections.OrderedDict = collections.OrderedDict()
-_AHEAD_LOCK = threading.Lock()
-_AHEAD_MAX = 8
-
-
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((leaf.shape, str(leaf.dtype), getattr(leaf, "sharding", None)) for leaf in leaves)
-
-
-def compile_ahead(abstract_tree) -> concurrent.futures.Future:
-    """Starts compiling the pass for `abstract_tree` (ShapeDtypeStructs with shardings, or arrays) on a
-    thread of its own, and returns at once; later tree_fingerprints calls on a matching tree run that
-    executable. A restore starts it before Orbax reads, so its check after the read only runs the pass
-    (and a restart's first save does not trace it again)."""
-    key = _signature(abstract_tree)
-    with _AHEAD_LOCK:
-        if key in _AHEAD:
-            return _AHEAD[key]
-        future = _AHEAD[key] = concurrent.futures.Future()
-        while len(_AHEAD) > _AHEAD_MAX:
-            _AHEAD.popitem(last=False)
-
-    def compile_() -> None:
-        try:
-            mesh = getattr(jax.tree.leaves(abstract_tree)[0].sharding, "mesh", None)
-            future.set_result(_fingerprint_fn(mesh).lower(abstract_tree).compile())
-        except Exception as err:  # noqa: BLE001  the jitted pass then runs as before, and raises its own error
-            future.set_exception(err)
-
-    threading.Thread(target=compile_, name="fingerprint-compile", daemon=True).start()
-    return future
-
-
-def _ahead_of_time(tree):
-    """The executable compile_ahead made for a tree like this one (waiting for it), or None."""
-    with _AHEAD_LOCK:
-        future = _AHEAD.get(_signature(tree))
-    if future is None:
-        return None
-    try:
-        return future.result()
-    except Exception:  # noqa: BLE001  it failed to compile: the jitted pass runs (and raises) as usual
-        return None

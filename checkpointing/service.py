@@ -244,7 +244,6 @@ class CheckpointService:
         # Local copies fail one at a time (a disk, a replica's bytes): every process must take the same
         # way on (local_tier.on_every_process), or one would wait forever in a collective the others left.
         agreed = (lambda part: local_tier.on_every_process(step, part)) if local else (lambda part: part())
-        fingerprint_lib.compile_ahead(abstract_state)  # the check's pass compiles while Orbax reads the arrays
         manifest = agreed(checked_manifest)
         state = agreed(lambda: self._read_arrays(step, abstract_state))
         agreed(lambda: check_fingerprints(step, manifest, state))
