@@ -12,6 +12,7 @@ names was not called, so a moved call breaks the benchmark instead of reading 0.
 """
 
 import collections
+import functools
 import gc
 import json
 import os
@@ -27,6 +28,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from benchmarks import common
 from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import marks as marks_lib
 from checkpointing import manifest as manifest_lib
 from checkpointing import orbax_hooks
 from checkpointing import service as service_lib
@@ -64,6 +66,7 @@ BLOCKING_PARTS = {
 }
 PROBES = {name: common.CallProbe(*target) for name, target in BLOCKING_PARTS.items()}
 PROBES["fingerprint_readback"] = common.CallProbe(fingerprint_lib, "to_ints")  # by the background write
+PROBES["marks_readback"] = common.CallProbe(marks_lib, "fingerprint_ints")  # the step's, by the background write
 PROBES["restore_fingerprint_check"] = common.CallProbe(fingerprint_lib, "fingerprint_tree")
 
 
@@ -139,6 +142,10 @@ def open_save(kind: str, directory: str, state):
     if kind in ("sync", "async"):
         manager = CheckpointService(directory, CheckpointConfig(async_save=kind == "async", max_to_keep=2), run=RUN)
         return manager, lambda: manager.save(1, state, losses={}, reason="interval")
+    if kind == "async_marked":  # the fingerprints came with the state from the step that wrote it (untimed)
+        manager = CheckpointService(directory, CheckpointConfig(async_save=True, max_to_keep=2), run=RUN)
+        fingerprints = jax.block_until_ready(marked_step(state, True)[1][0])
+        return manager, lambda: manager.save(1, state, losses={}, reason="interval", fingerprints=fingerprints)
     if kind == "orbax":
         manager = ocp.CheckpointManager(directory)
         return manager, lambda: manager.save(1, args=ocp.args.StandardSave(state))
@@ -158,15 +165,20 @@ def save(kind: str, directory: str, state) -> dict[str, float]:
     started = time.perf_counter()
     start()
     blocking = time.perf_counter() - started
-    is_service = kind in ("sync", "async")
+    is_service = kind in ("sync", "async", "async_marked")
     parts = {f"part:{name}": PROBES[name].seconds for name in BLOCKING_PARTS} if is_service else {}
     if is_service:
-        require(*BLOCKING_PARTS, where=f"{kind} CheckpointService.save()")
+        dispatches = kind != "async_marked"  # with the step's fingerprints save() dispatches no pass
+        require(*(name for name in BLOCKING_PARTS if dispatches or name != "fingerprint_dispatch"),
+                where=f"{kind} CheckpointService.save()")
+        if not dispatches and PROBES["fingerprint_dispatch"].calls:
+            raise RuntimeError("CheckpointService.save(fingerprints=) dispatched a fingerprint pass of its own")
     manager.wait_until_finished()
     total = time.perf_counter() - started
     manager.close()
     if is_service:
-        require("fingerprint_readback", where=f"{kind} CheckpointService.save()'s background write")
+        require("marks_readback" if kind == "async_marked" else "fingerprint_readback",
+                where=f"{kind} CheckpointService.save()'s background write")
     return {"blocking": blocking, "total": total, **parts}
 
 
@@ -194,7 +206,7 @@ def timed_saves() -> dict[str, list[float]]:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    kinds = ("sync", "async", "orbax", "orbax_two_items")
+    kinds = ("sync", "async", "async_marked", "orbax", "orbax_two_items")
     return rounds({f"{kind}_save": lambda kind=kind: one(kind) for kind in kinds})
 
 
@@ -211,7 +223,25 @@ def passes() -> dict[str, list[float]]:
 
     return rounds({"state_read": lambda: timed(lambda: jax.block_until_ready(read(state))),
                    "fingerprint_pass": lambda: timed(
-                       lambda: fingerprint_lib.to_ints(fingerprint_lib.tree_fingerprints(state)))})
+                       lambda: fingerprint_lib.to_ints(fingerprint_lib.tree_fingerprints(state))),
+                   "plain_step": lambda: timed(lambda: jax.block_until_ready(marked_step(state, False))),
+                   "marked_step": lambda: timed(lambda: jax.block_until_ready(marked_step(state, True)))})
+
+
+@functools.cache
+def _marked_step():
+    """A step that writes every leaf (x + 1) and, when asked, its output's fingerprints (step_marks):
+    the trainer's step at a save step, less the model."""
+    def step(state, flags):
+        new = jax.tree.map(lambda x: x + jnp.ones((), x.dtype), state)
+        return new, marks_lib.step_marks(new, flags)
+    replicated = shardings("same")["step"]
+    return jax.jit(step, out_shardings=(shardings("same"), (replicated, replicated)))
+
+
+def marked_step(state, fingerprints: bool):
+    mesh = shardings("same")["step"].mesh
+    return _marked_step()(state, marks_lib.request(mesh, fingerprints=fingerprints).flags)
 
 
 def timed_restores() -> dict[str, list[float]]:

@@ -66,6 +66,7 @@ class Checkpointer:
         self._data_iterator = data_iterator
         self.workdir = str(workdir)
         self.total_steps = total_steps
+        self.mesh = mesh
         run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program)
         self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run,  # refusals change nothing
                                                          total_steps=total_steps)
@@ -134,17 +135,25 @@ class Checkpointer:
 
     # --- saving --------------------------------------------------------------------------------
 
-    def on_step(self, step: int, state, loss=None, metrics: dict | None = None) -> SaveEvent:
+    def marks_wanted(self, step: int):
+        """What the step that makes the state of `step` should compute for it, inside its jit: pass the
+        result's `.flags` to checkpointing.step_marks and its output to on_step(marks=). Optional: without
+        marks a save dispatches its own fingerprint pass (checkpointing/marks.py says what that costs)."""
+        if self._saver is None:
+            raise RuntimeError("Checkpointer.marks_wanted before restore_or_init")
+        return self._saver.marks_wanted(step, self.mesh)
+
+    def on_step(self, step: int, state, loss=None, metrics: dict | None = None, marks=None) -> SaveEvent:
         """Call after every step, on every process: `step` is the state's step counter (steps done) and
         `loss` the loss of step `step - 1` (a device scalar is fine: it is read only when a save records
         it). `metrics` ({name: number}, e.g. an eval loss measured at `step`) are recorded in the next
         save's manifest (extra.metrics["<step>"]). Saves when the schedule says; on a preemption saves,
         waits for the commit and raises Preempted (a SystemExit with code 75). Raises AsyncSaveError if
         the previous background save failed (the step it wrote is not committed; the one before stays
-        the latest)."""
+        the latest). `marks`: what the step computed for marks_wanted(step)."""
         if self._saver is None:
             raise RuntimeError("Checkpointer.on_step before restore_or_init")
-        return self._saver.on_step(step, state, loss, metrics)
+        return self._saver.on_step(step, state, loss, metrics, marks)
 
     # --- closing -------------------------------------------------------------------------------
 

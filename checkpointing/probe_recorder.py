@@ -2,7 +2,8 @@
 
 A window opens when a persistent save of S starts (or the run resumes from a persistent S), collects
 the losses of steps S .. S+k-1 as device scalars as they come, and at step S+k dispatches the state's
-per-leaf summaries (one jit, every process: it is a collective on the mesh). Nothing waits: a window is
+per-leaf summaries (computed by that step when the loop passes its marks, checkpointing/marks.py; else
+one jit of their own, on every process: it is a collective on the mesh). Nothing waits: a window is
 written by process 0 at a later step boundary, once S has committed and its values are on the host
 (`is_ready`), or at close. k is `probe_steps`, shortened by the run's end; 0 records none. The file
 itself (a read of the manifest, a durable write: two fsyncs) is written on a thread of its own, so the
@@ -15,6 +16,7 @@ import dataclasses
 import jax
 from absl import logging
 
+from checkpointing import marks as marks_lib
 from checkpointing import probes
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import CheckpointError, one_line_cause
@@ -25,7 +27,8 @@ class _Window:
     step: int  # the saved step
     end: int  # the summary's step: S + k
     losses: dict = dataclasses.field(default_factory=dict)  # step -> device scalar (or float)
-    summaries: object = None  # the on-device (sum, norm) tree, once dispatched
+    summaries: object = None  # on device once dispatched: a (sum, norm) tree, or the step's marks
+    summary_paths: list | None = None  # the state's leaf paths when `summaries` are the step's marks
     committed: bool = False
 
 
@@ -56,11 +59,19 @@ class ProbeRecorder:
             if window.step <= step < window.end and loss is not None:
                 window.losses[step] = loss
 
-    def on_step(self, step: int, state) -> None:
-        """At a window's end, dispatches its summaries; then writes the windows that are ready."""
+    def summaries_due(self, step: int) -> bool:
+        """Whether a window ends at `step` (the state after it is summarized): the same on every process."""
+        return any(window.end == step and window.summaries is None for window in self._windows)
+
+    def on_step(self, step: int, state, marks=None) -> None:
+        """At a window's end takes its summaries from the step's marks (checkpointing/marks.py) or else
+        dispatches them; then writes the windows that are ready."""
         for window in self._windows:
             if window.end == step and window.summaries is None:
-                window.summaries = probes.leaf_summaries(state)
+                if marks is not None:
+                    window.summaries, window.summary_paths = marks[1], marks_lib.leaf_paths(state)
+                else:
+                    window.summaries = probes.leaf_summaries(state)
         self._write(ready_only=True)
 
     def close(self) -> None:
@@ -90,13 +101,17 @@ class ProbeRecorder:
             self._warn(window.step, CheckpointError(f"losses of steps {missing} were not given to on_step"))
             return
         values = jax.device_get(dict(window.losses))  # ready (is_ready), or at close: no wait in the loop
-        losses, summaries = {s: float(v) for s, v in values.items()}, probes.to_host(window.summaries)
+        losses = {s: float(v) for s, v in values.items()}
+        if window.summary_paths is not None:
+            summaries, how = marks_lib.summaries_of(window.summaries, window.summary_paths), probes.STEP_PASS
+        else:
+            summaries, how = probes.to_host(window.summaries), probes.SEPARATE_PASS
         if self._writer is None:
             self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="probe-writer")
         self._writes = [w for w in self._writes if not w.done()]
-        self._writes.append(self._writer.submit(self._store, window.step, window.end, losses, summaries))
+        self._writes.append(self._writer.submit(self._store, window.step, window.end, losses, summaries, how))
 
-    def _store(self, step: int, end: int, losses: dict, summaries: dict) -> None:
+    def _store(self, step: int, end: int, losses: dict, summaries: dict, how: str) -> None:
         """On the writer thread: the probe file of `step`, unless one for the same save exists."""
         try:
             existing = probes.read(self._workdir, step)
@@ -105,7 +120,7 @@ class ProbeRecorder:
                 return  # the attempt that saved it continued from its own state: the better witness
             probes.write(self._workdir, probes.make(
                 step=step, manifest_digest=digest, losses=losses, summary_step=end, summaries=summaries,
-                mesh=self._mesh, process_count=jax.process_count()))
+                mesh=self._mesh, process_count=jax.process_count(), summary_pass=how))
         except (CheckpointError, OSError) as err:  # a reader's file: never the run's failure
             self._warn(step, err)
 

@@ -12,7 +12,9 @@ layouts the summaries need no tolerance of their own: |norm(a) - norm(b)| <= ||a
 |sum(a) - sum(b)| <= sqrt(n) ||a - b||, so the per-leaf state rule (verifier/tolerances.py) bounds both.
 
 Fields: step, manifest_digest, losses {"<step>": float}, summary_step, summaries {path: [sum, norm]},
-mesh {"axis": size}, process_count, recorded_at.
+mesh {"axis": size}, process_count, recorded_at, summary_pass: "step" when the summaries were computed inside
+the trainer's step (checkpointing/marks.py; the verifier's replay then computes them the same way, so they
+stay bit-exact on the same layout), "separate" (or absent) by leaf_summaries, a pass of its own.
 """
 
 import datetime
@@ -30,11 +32,12 @@ from checkpointing import workdir as workdir_lib
 from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
 
 _WARNED: set[str] = set()
+STEP_PASS, SEPARATE_PASS = "step", "separate"  # how the summaries were computed (the docstring's summary_pass)
 _REQUIRED = {"step": int, "manifest_digest": str, "losses": dict, "summary_step": int, "summaries": dict,
              "mesh": dict, "process_count": int}
 
 
-def _leaf_summary(x: jax.Array) -> jax.Array:
+def leaf_summary(x: jax.Array) -> jax.Array:
     """float32[2]: the leaf's sum and L2 norm (a typed key's words, integers and bools as numbers)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
@@ -44,7 +47,7 @@ def _leaf_summary(x: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=8)
 def _summary_fn(mesh: Mesh | None):
-    summarize = lambda tree: jax.tree.map(_leaf_summary, tree)
+    summarize = lambda tree: jax.tree.map(leaf_summary, tree)
     if mesh is None:
         return jax.jit(summarize)
     return jax.jit(summarize, out_shardings=NamedSharding(mesh, P()))  # replicated: any process reads them
@@ -63,11 +66,12 @@ def to_host(summaries) -> dict[str, list[float]]:
 
 
 def make(*, step: int, manifest_digest: str, losses: dict[int, float], summary_step: int,
-         summaries: dict[str, list[float]], mesh: dict, process_count: int) -> dict:
+         summaries: dict[str, list[float]], mesh: dict, process_count: int, summary_pass: str = "separate") -> dict:
     probe = {"step": step, "manifest_digest": manifest_digest,
              "losses": {str(s): float(v) for s, v in sorted(losses.items())}, "summary_step": summary_step,
              "summaries": summaries, "mesh": dict(mesh), "process_count": process_count,
              "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    probe["summary_pass"] = summary_pass
     return validate(probe)
 
 
@@ -77,6 +81,8 @@ def validate(probe, where: str = "probe") -> dict:
     for field, kind in _REQUIRED.items():
         if not isinstance(probe.get(field), kind) or isinstance(probe.get(field), bool):
             raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}")
+    if probe.get("summary_pass", SEPARATE_PASS) not in (SEPARATE_PASS, STEP_PASS):
+        raise ManifestError(f"{where}: field 'summary_pass' must be {STEP_PASS!r} or {SEPARATE_PASS!r}")
     if sorted(int(s) for s in probe["losses"]) != list(range(probe["step"], probe["summary_step"])):
         raise ManifestError(f"{where}: its losses are not those of steps {probe['step']}..{probe['summary_step'] - 1}")
     return probe

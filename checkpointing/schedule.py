@@ -60,6 +60,12 @@ class SaveSchedule:
         """Why `step` is saved persistently (final, interval, time), or None."""
         return self.policy.reason(step, final=final)
 
+    def reason_known_ahead(self, step: int, *, final: bool) -> str | None:
+        """`reason(step)` where it is known before the step runs (final, the step cadence); None for a
+        time-based save, which is decided at the step itself."""
+        every = self.policy.save_every_steps  # not policy.reason: its time check is a collective, made at the step
+        return "final" if final else "interval" if every and step % every == 0 else None
+
     def local_due(self, step: int) -> bool:
         return bool(self.local_policy.reason(step))
 

@@ -24,6 +24,7 @@ from absl import logging
 from orbax.checkpoint import checkpoint_managers
 
 from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import marks as marks_lib
 from checkpointing import input_state
 from checkpointing import local_tier
 from checkpointing import orbax_hooks
@@ -101,11 +102,13 @@ class CheckpointService:
 
     # --- saving --------------------------------------------------------------------------------
 
-    def save(self, step: int, state, *, losses: dict[int, float], reason: str, extra: dict | None = None) -> None:
+    def save(self, step: int, state, *, losses: dict[int, float], reason: str, extra: dict | None = None,
+             fingerprints=None) -> None:
         """Starts saving `state` as `step`; returns once the device-to-host copy is done (async).
 
         Call on every process. Fingerprints are computed on device and read back by the background
-        write (see orbax_hooks.ManifestHandler), so the caller never waits for them.
+        write (see orbax_hooks.ManifestHandler), so the caller never waits for them: `fingerprints`,
+        those the step that wrote `state` computed (checkpointing/marks.py), else a pass of their own.
         """
         if self._run is None:
             raise ValueError("a read-only service (no RunMetadata) cannot save")
@@ -124,17 +127,21 @@ class CheckpointService:
         # Dispatched, not waited for. An accelerator computes them while Orbax copies the state to the
         # host; on CPU they would compete with Orbax's blocking work for the same cores, so they are
         # dispatched once that is done (still before save() returns, so before the caller can donate).
-        fingerprints = concurrent.futures.Future()
-        if not (self.config.async_save and jax.default_backend() == "cpu"):
+        leaves = manifest_lib.leaf_table(state)
+        marked, fingerprints = fingerprints, concurrent.futures.Future()
+        if marked is not None:  # computed by the step: nothing to dispatch, read in the background
+            fingerprints.set_result(None)
+        elif not (self.config.async_save and jax.default_backend() == "cpu"):
             orbax_hooks.dispatch_fingerprints(fingerprints, state)  # a synchronous save needs them before it returns
         run = self._run
-        leaves = manifest_lib.leaf_table(state)
         local = self.tier == manifest_lib.LOCAL
         tier_fields = local_tier.manifest_fields(state) if local else None
 
         def build_manifest() -> dict:
+            ints = (marks_lib.fingerprint_ints(marked, list(leaves)) if marked is not None
+                    else fingerprint_lib.to_ints(fingerprints.result()))
             return manifest_lib.build(
-                step=step, leaves=leaves, fingerprints=fingerprint_lib.to_ints(fingerprints.result()), losses=losses,
+                step=step, leaves=leaves, fingerprints=ints, losses=losses,
                 config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
                 reason=reason, extra=extra, tier_fields=tier_fields,
                 identity_fields={"program": run.program, "init_from": run.init_from})

@@ -26,9 +26,11 @@ class TrainResult:
 
 
 def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog, on_step=None,
-              evaluator: Evaluator | None = None):
+              evaluator: Evaluator | None = None, marks_wanted=None):
     """Runs steps [start_step, end_step); `on_step(steps_done, state, loss)` runs after each (a
     Checkpointer's on_step) and returns a SaveEvent, or None when it did nothing worth reporting.
+    `marks_wanted(steps_done)` (a Checkpointer's) says what the step computes for a save or a probe of
+    its output (checkpointing/marks.py); they reach on_step as `marks`.
 
     At the log cadence process 0 logs one progress line and writes its TensorBoard scalars, with the
     blocking time of the saves the events reported and the throughput. Every --eval_every_steps the
@@ -46,7 +48,9 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             with jax.transfer_guard_host_to_device("allow"):
                 batch = program.batch_fn(step)
             throughput.add_wait()
-            state, loss, scalars = program.step_fn.with_scalars(state, batch)
+            wanted = marks_wanted(step + 1) if marks_wanted is not None else None
+            state, loss, scalars, marks = program.step_fn.with_scalars(state, batch, wanted)
+            marks = marks if wanted is not None and wanted.any else None
             loss_log.add(step, loss, scalars)
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
                 loss.block_until_ready()
@@ -77,7 +81,9 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                 loss_log.record_eval(done, evaluated)
             if on_step is not None:
                 hook_start = time.perf_counter()
-                event = on_step(done, state, loss, metrics=evaluated) if evaluated else on_step(done, state, loss)
+                extra = {"metrics": evaluated} if evaluated else {}
+                event = on_step(done, state, loss, marks=marks, **extra) if marks is not None else \
+                    on_step(done, state, loss, **extra)
                 hook_secs += time.perf_counter() - hook_start
                 if event is not None:
                     commit_secs = list(event.commit_secs)
@@ -204,7 +210,7 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
     watchdog.pet(f"step {start.step + 1} (compiles the step)")
     evaluator = Evaluator(program) if config.eval_every_steps else None
     state = run_steps(program, state, start.step, config.steps, loss_log, on_step=checkpointer.on_step,
-                      evaluator=evaluator)
+                      evaluator=evaluator, marks_wanted=checkpointer.marks_wanted)
     jax.block_until_ready(state)
     checkpointer.close()  # waits for the last save to commit (or raises AsyncSaveError)
     elapsed = time.perf_counter() - began

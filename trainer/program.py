@@ -36,7 +36,7 @@ class Program:
     state_shardings: state_lib.TrainState
     batch_sharding: NamedSharding
     init_fn: Callable[[], state_lib.TrainState]
-    step_fn: step_lib.StepFn  # (state, batch) -> (state, loss); .with_scalars adds {name: scalar}
+    step_fn: step_lib.StepFn  # (state, batch) -> (state, loss); .with_scalars adds {name: scalar} and marks
     batch_fn: Callable[[int], Any]
     loss_rtol: float  # the model's measured cross-layout tolerances (its spec's)
     state_rtol: float
@@ -66,13 +66,14 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # (so it can be donated and the next call hits the same executable), the batch is split
     # over 'data', and the scalar loss is replicated so any process can read it.
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
-    step = make_step(config, spec, module, codec)
+    # The save marks (fingerprints, summaries) are asked by a replicated flag and come out replicated.
+    step = functools.partial(step_lib.marked_step, make_step(config, spec, module, codec))
     step_fn = step_lib.StepFn(jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding),
-        out_shardings=(shardings, replicated, replicated),
+        in_shardings=(shardings, batch_sharding, replicated),
+        out_shardings=(shardings, replicated, replicated, (replicated, replicated)),
         donate_argnums=0,
-    ))
+    ), mesh)
     return Program(
         config=config,
         mesh=mesh,

@@ -7,6 +7,7 @@ from typing import Callable
 import jax
 import optax
 
+from checkpointing import mark_request, step_marks
 from trainer.state import KeyCodec, TrainState
 
 
@@ -41,22 +42,39 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
     return new_state, value, scalars
 
 
-class StepFn:
-    """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), and with its
-    scalars for the trainer's loop (`with_scalars`): one executable serves both."""
+def marked_step(step: Callable, state: TrainState, batch, flags: jax.Array):
+    """`step` plus the marks a save or a probe of its output needs, when `flags` ask (checkpointing.step_marks:
+    one executable whatever is asked; the untaken branches cost nothing)."""
+    new_state, loss, scalars = step(state, batch)
+    return new_state, loss, scalars, step_marks(new_state, flags)
 
-    def __init__(self, jitted):
+
+class StepFn:
+    """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), with its scalars
+    and marks for the trainer's loop (`with_scalars`), and its marks alone for the verifier's cheap proof
+    (`with_marks`): one executable serves all three, so every caller computes the same numbers."""
+
+    def __init__(self, jitted, mesh):
         self.jitted = jitted
+        self._mesh = mesh
+
+    def no_marks(self):
+        return mark_request(self._mesh)
 
     def __call__(self, state, batch):
-        new_state, loss, _ = self.jitted(state, batch)
+        new_state, loss, _, _ = self.jitted(state, batch, self.no_marks().flags)
         return new_state, loss
 
-    def with_scalars(self, state, batch):
-        return self.jitted(state, batch)
+    def with_scalars(self, state, batch, wanted=None):
+        """(state, loss, scalars, marks): marks per `wanted` (a Checkpointer.marks_wanted answer; None: none)."""
+        return self.jitted(state, batch, (wanted or self.no_marks()).flags)
 
-    def lower(self, *args):
-        return self.jitted.lower(*args)
+    def with_marks(self, state, batch, wanted):
+        new_state, loss, _, marks = self.jitted(state, batch, wanted.flags)
+        return new_state, loss, marks
+
+    def lower(self, state, batch):
+        return self.jitted.lower(state, batch, self.no_marks().flags)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()

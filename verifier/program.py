@@ -20,7 +20,9 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
     loss_rtol       largest relative difference of a loss across layouts (measured)
     state_rtol      the per-leaf state tolerance across layouts (verifier/tolerances.py)
 
-and, optionally, `code`: the identity of the code it replays with (for the trainer: version, spec
+and, optionally, `step_fn.with_marks(state, batch, wanted) -> (state, loss, marks)`: the same step
+computing the save marks of its output (checkpointing.step_marks), which the cheap proof uses when the
+trainer's probe summaries came from its step; and `code`: the identity of the code it replays with (for the trainer: version, spec
 module and source hash, git commit; trainer/code.py), compared with the `config["code"]` each
 manifest recorded: a step computed by other code is never called reproduced (code_change below).
 trainer.program.Program is one; examples/own_loop.py builds its own. Manifests from before the
@@ -32,6 +34,7 @@ import importlib
 import jax
 
 from checkpointing import compare
+from checkpointing import marks as marks_lib
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.input_state import read_input_states
 from runtime.dispatch import blocks_each_step
@@ -142,3 +145,11 @@ def replay_losses(program, state, start_step: int, num_steps: int, batches=None)
             loss.block_until_ready()
     values = jax.device_get(losses)
     return state, {start_step + i: float(v) for i, v in enumerate(values)}
+
+
+def replay_marked_step(program, state, step: int, batches=None):
+    """Runs step `step` with its output's probe summaries computed inside it, as the trainer's step did
+    (step_fn.with_marks); returns (state, loss, {key path: [sum, norm]})."""
+    batch = next(batches) if batches is not None else program.batch_fn(step)
+    state, loss, marks = program.step_fn.with_marks(state, batch, marks_lib.request(program.mesh, summaries=True))
+    return state, float(jax.device_get(loss)), marks_lib.summaries_of(marks[1], marks_lib.leaf_paths(state))

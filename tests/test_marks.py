@@ -1,0 +1,116 @@
+"""Save marks (checkpointing/marks.py): a step computes its output's fingerprints and probe summaries when
+the Checkpointer asks, and a save then dispatches no pass of its own. Compared leaf by leaf with the
+separate passes; the steps asked for are compared as whole lists; the trainer's steps are checked through
+the manifests and probes they wrote."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from checkpointing import CheckpointConfig, Checkpointer, mark_request, step_marks
+from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import marks as marks_lib
+from checkpointing import probes
+from checkpointing.workdir import committed_steps, read_manifest
+
+MESH = jax.make_mesh((4, 2), ("data", "model"))
+SHARDED, REPLICATED = NamedSharding(MESH, P("data", "model")), NamedSharding(MESH, P())
+
+
+def state_at(step: int) -> dict:
+    w = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) / 7.0 + step
+    return {"w": jax.device_put(w, SHARDED), "half": jax.device_put(w.astype(jnp.bfloat16), SHARDED),
+            "step": jax.device_put(jnp.int32(step), REPLICATED)}
+
+
+def _step(state, flags):
+    new = {"w": state["w"] * 0.5 + 1.0, "half": state["half"] + 1, "step": state["step"] + 1}
+    return new, jnp.sum(new["w"]), step_marks(new, flags)
+
+
+STEP = jax.jit(_step, out_shardings=({"w": SHARDED, "half": SHARDED, "step": REPLICATED}, REPLICATED,
+                                     (REPLICATED, REPLICATED)))
+
+
+def test_a_steps_marks_equal_the_separate_passes_leaf_by_leaf_and_are_zero_when_not_asked():
+    state, _, marks = STEP(state_at(3), mark_request(MESH, fingerprints=True, summaries=True).flags)
+    paths = marks_lib.leaf_paths(state)
+    assert marks_lib.fingerprint_ints(marks[0], paths) == fingerprint_lib.fingerprint_tree(state)
+    separate, in_step = probes.to_host(probes.leaf_summaries(state)), marks_lib.summaries_of(marks[1], paths)
+    assert sorted(in_step) == sorted(separate) == sorted(paths)
+    for path in paths:  # two reductions in different executables: equal up to float32 rounding
+        np.testing.assert_allclose(in_step[path], separate[path], rtol=1e-6)
+    state, _, marks = STEP(state, mark_request(MESH).flags)
+    assert not np.any(np.asarray(marks[0])) and not np.any(np.asarray(marks[1]))
+
+
+def _train(workdir, total_steps, counted, *, ask=True, **options):
+    """A user's loop on the public API; returns [(step, wanted fingerprints, wanted summaries)]."""
+    asked = []
+    with Checkpointer(workdir, CheckpointConfig(max_to_keep=100, **options), config={"lr": 0.1}, fixed=["lr"],
+                      mesh=MESH, total_steps=total_steps, program="tests.test_marks:none",
+                      watchdog_secs=600) as ckpt:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_at(0))
+        start = ckpt.restore_or_init(abstract, lambda: state_at(0))
+        state = start.state
+        for step in range(start.step, total_steps):
+            wanted = ckpt.marks_wanted(step + 1) if ask else mark_request(MESH, fingerprints=True, summaries=True)
+            asked.append((step + 1, wanted.fingerprints, wanted.summaries))
+            state, loss, marks = STEP(state, wanted.flags)
+            before = counted["calls"]
+            ckpt.on_step(step + 1, state, loss, marks=marks)
+            counted.setdefault("passes", []).append(counted["calls"] - before)
+    return asked
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the fingerprint passes a save dispatches itself."""
+    calls = {"calls": 0}
+    original = fingerprint_lib.tree_fingerprints
+
+    def counting(tree):
+        calls["calls"] += 1
+        return original(tree)
+
+    monkeypatch.setattr(fingerprint_lib, "tree_fingerprints", counting)
+    return calls
+
+
+def test_the_checkpointer_asks_for_marks_at_the_steps_it_saves_and_probes_and_dispatches_no_pass(workdir, counted):
+    asked = _train(workdir, 12, counted, save_every_steps=5, probe_steps=2)
+    assert [s for s, fingerprints, _ in asked if fingerprints] == [5, 10, 12]
+    assert [s for s, _, summaries in asked if summaries] == [7, 12]  # 2 steps after the saves of 5 and 10
+    assert counted["passes"] == [0] * 12, "a save given the step's fingerprints dispatched a pass of its own"
+    assert committed_steps(workdir) == [5, 10, 12]
+    for step in committed_steps(workdir):
+        leaves = read_manifest(workdir, step)["leaves"]
+        assert {path: leaf["fingerprint"] for path, leaf in leaves.items()} == \
+            fingerprint_lib.fingerprint_tree(_replayed(step))
+    for step, summary_step in ((5, 7), (10, 12)):
+        probe = probes.read(workdir, step)
+        assert (probe["summary_pass"], probe["summary_step"]) == (probes.STEP_PASS, summary_step)
+        separate = probes.to_host(probes.leaf_summaries(_replayed(summary_step)))
+        assert sorted(probe["summaries"]) == sorted(separate)
+        for path, value in separate.items():
+            np.testing.assert_allclose(probe["summaries"][path], value, rtol=1e-6)
+
+
+def test_marks_given_for_a_step_not_asked_are_ignored_and_the_save_takes_its_own_pass(workdir, counted):
+    _train(workdir, 10, counted, ask=False, save_every_steps=5, probe_steps=2)
+    assert counted["passes"] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1], "the unasked marks were used"
+    probe = probes.read(workdir, 5)
+    assert probe["summary_pass"] == probes.SEPARATE_PASS
+    for step in committed_steps(workdir):
+        leaves = read_manifest(workdir, step)["leaves"]
+        assert {path: leaf["fingerprint"] for path, leaf in leaves.items()} == \
+            fingerprint_lib.fingerprint_tree(_replayed(step))
+
+
+def _replayed(step: int) -> dict:
+    state = state_at(0)
+    for _ in range(step):
+        state = STEP(state, mark_request(MESH).flags)[0]
+    return state
