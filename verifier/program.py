@@ -22,11 +22,11 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
 
 and, optionally, `step_fn.with_marks(state, batch, wanted) -> (state, loss, marks)`: the same step
 computing the save marks of its output (checkpointing.step_marks), which the cheap proof uses when the
-trainer's probe summaries came from its step; and `code`: the identity of the code it replays with (for the trainer: version, spec
-module and source hash, git commit; trainer/code.py), compared with the `config["code"]` each
-manifest recorded: a step computed by other code is never called reproduced (code_change below).
-trainer.program.Program is one; examples/own_loop.py builds its own. Manifests from before the
-field was recorded name the trainer's.
+trainer's probe summaries came from its step; and `code`: the identity of the code it replays with
+(for the trainer: version, spec module and source hash, git commit; trainer/code.py), compared with
+the `config["code"]` each manifest recorded: a step computed by other code is never called
+reproduced (code_change below). trainer.program.Program is one; examples/own_loop.py builds its
+own. Manifests from before the field was recorded name the trainer's.
 """
 
 import importlib
