@@ -234,7 +234,7 @@ def _marked_step():
     the trainer's step at a save step, less the model."""
     def step(state, flags):
         new = jax.tree.map(lambda x: x + jnp.ones((), x.dtype), state)
-        return new, marks_lib.step_marks(new, flags)
+        return new, marks_lib.step_marks(new, flags, shardings("same"))
     replicated = shardings("same")["step"]
     return jax.jit(step, out_shardings=(shardings("same"), (replicated, replicated)))
 

@@ -31,7 +31,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def _as_uint32(x: jax.Array) -> jax.Array:
+def as_uint32(x: jax.Array) -> jax.Array:
     """The raw bits of each element as uint32 (1-, 2- and 4-byte dtypes)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
@@ -58,8 +58,13 @@ def _add_lanes(a, b):
 
 def leaf_fingerprint(x: jax.Array) -> jax.Array:
     """uint32[2]: the two lanes of one leaf's fingerprint."""
-    bits = _as_uint32(x)
-    index = _flat_index(bits.shape)
+    bits = as_uint32(x)
+    return lanes_of(bits, _flat_index(bits.shape))
+
+
+def lanes_of(bits: jax.Array, index: jax.Array) -> jax.Array:
+    """uint32[2]: the lanes of elements `bits` at flat indices `index` (a whole leaf, or one shard of it:
+    the lanes of the shards add up to the leaf's, mod 2**32)."""
     # One finalizer per element; moving a value to another index changes its word. The second
     # lane sums the squared words, so the two 32-bit sums are not redundant.
     words = _fmix32(bits + index * jnp.uint32(_INDEX_MULTIPLIER))

@@ -9,7 +9,7 @@ they ride on a dispatch the loop makes anyway. The step that writes the saved st
 its output, so nothing waits and nothing reads a donated buffer:
 
     wanted = checkpointer.marks_wanted(step + 1)                    # host decision, the same everywhere
-    state, loss, marks = train_step(state, batch, wanted.flags)      # inside: step_marks(new_state, flags)
+    state, loss, marks = train_step(state, batch, wanted.flags)   # inside: step_marks(new, flags, shardings)
     checkpointer.on_step(step + 1, state, loss, marks=marks)
 
 `flags` is a replicated bool[2] device array (fingerprints, summaries), made once per mesh; the marks
@@ -28,7 +28,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import probes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +54,91 @@ def request(mesh: Mesh | None, fingerprints: bool = False, summaries: bool = Fal
     return Wanted(fingerprints, summaries, flags)
 
 
-def step_marks(state, flags: jax.Array) -> tuple[jax.Array, jax.Array]:
+def step_marks(state, flags: jax.Array, shardings) -> tuple[jax.Array, jax.Array]:
     """Inside a jitted step: (fingerprints uint32[n, 2], summaries float32[n, 2]) of `state` (its leaves in
-    flatten order), each computed only when its flag is set (else zeros)."""
-    leaves = jax.tree.leaves(state)
+    flatten order, on the NamedShardings `shardings`), each computed only when its flag is set (else zeros).
 
-    def fingerprints(leaves):
-        return jnp.stack([fingerprint_lib.leaf_fingerprint(x) for x in leaves])
+    Each device works on its own shards under `lax.cond` (no collective there: XLA's CPU runtime deadlocks
+    on a collective inside a conditional once the executable comes from the persistent compilation cache),
+    and the partial results are combined after it, every step (a few bytes per leaf). The fingerprints
+    equal fingerprint.leaf_fingerprint's exactly (integer sums); the summaries are probes.leaf_summary's
+    up to float32 rounding (the verifier recomputes them the same way, checkpointing/probes.py).
+    """
+    leaves, specs = jax.tree.leaves(state), [sharding.spec for sharding in jax.tree.leaves(shardings)]
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    shapes = [_global_shape(x) for x in leaves]
 
-    def summaries(leaves):
-        return jnp.stack([probes.leaf_summary(x) for x in leaves])
+    def local(flags, *shards):
+        owned = [_owner(mesh, spec) for spec in specs]  # a replicated shard is counted once
+        zeros = lambda width, dtype: jnp.zeros((len(shards), width), dtype)
+        lanes = jax.lax.cond(flags[0], lambda: jnp.stack(
+            [_local_lanes(x, spec, shape, mesh) for x, spec, shape in zip(shards, specs, shapes)]),
+            lambda: zeros(2, jnp.uint32))
+        parts = jax.lax.cond(flags[1], lambda: jnp.stack([_local_parts(x) for x in shards]),
+                             lambda: zeros(3, jnp.float32))
+        mask = jnp.stack(owned)
+        axes = tuple(mesh.axis_names)
+        fingerprints = jax.lax.psum(jnp.where(mask[:, None], lanes, jnp.uint32(0)), axes)
+        total = jax.lax.psum(jnp.where(mask, parts[:, 0], 0.0), axes)
+        scale = jax.lax.pmax(parts[:, 1], axes)
+        safe = jnp.where(scale > 0, scale, 1.0)
+        squares = jax.lax.psum(jnp.where(mask, parts[:, 2] * jnp.square(parts[:, 1] / safe), 0.0), axes)
+        return fingerprints, jnp.stack([total, jnp.where(scale > 0, safe * jnp.sqrt(squares), 0.0)], axis=1)
 
-    zeros = lambda dtype: lambda leaves: jnp.zeros((len(leaves), 2), dtype)
-    return (jax.lax.cond(flags[0], fingerprints, zeros(jnp.uint32), leaves),
-            jax.lax.cond(flags[1], summaries, zeros(jnp.float32), leaves))
+    in_specs = (P(), *(_padded(spec, x) for spec, x in zip(specs, leaves)))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(P(), P()), check_vma=False)(
+        flags, *[_words_of(x) for x in leaves])
+
+
+def _words_of(x: jax.Array) -> jax.Array:
+    return jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+def _global_shape(x: jax.Array) -> tuple[int, ...]:
+    return tuple(_words_of(x).shape)
+
+
+def _padded(spec: P, x: jax.Array) -> P:
+    """The spec of a leaf's words (a typed key's words have one axis more, never sharded)."""
+    return P(*spec, *([None] * (len(_global_shape(x)) - len(spec))))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _owner(mesh: Mesh, spec: P) -> jax.Array:
+    """True on the one device of each replica group that holds a leaf's shard at index 0 of every mesh axis
+    the leaf is not sharded over."""
+    used = {axis for entry in spec for axis in _axes(entry)}
+    owner = jnp.bool_(True)
+    for axis in mesh.axis_names:
+        if axis not in used:
+            owner = owner & (jax.lax.axis_index(axis) == 0)
+    return owner
+
+
+def _local_lanes(shard: jax.Array, spec: P, shape: tuple[int, ...], mesh: Mesh) -> jax.Array:
+    """This shard's part of fingerprint.leaf_fingerprint: its elements at their global flat indices."""
+    bits = fingerprint_lib.as_uint32(shard)
+    index, stride = jnp.zeros(bits.shape, jnp.uint32), 1
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for axis in reversed(range(len(shape))):
+        offset = jnp.uint32(0)
+        for name in _axes(entries[axis]):  # major to minor: the shard's position along this dimension
+            offset = offset * jnp.uint32(mesh.shape[name]) + jax.lax.axis_index(name).astype(jnp.uint32)
+        coordinate = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) + offset * jnp.uint32(bits.shape[axis])
+        index = index + coordinate * jnp.uint32(stride % 2**32)
+        stride *= shape[axis]
+    return fingerprint_lib.lanes_of(bits, index)
+
+
+def _local_parts(shard: jax.Array) -> jax.Array:
+    """(sum, largest magnitude, sum of squares scaled by it) of this shard, as float32 (probes.leaf_summary)."""
+    x = shard.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x)) if x.size else jnp.float32(0)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return jnp.stack([jnp.sum(x), scale, jnp.sum(jnp.square(x / safe))])
 
 
 def fingerprint_ints(fingerprints: jax.Array, paths: list[str]) -> dict[str, int]:

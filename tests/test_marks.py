@@ -17,21 +17,28 @@ from checkpointing.workdir import committed_steps, read_manifest
 
 MESH = jax.make_mesh((4, 2), ("data", "model"))
 SHARDED, REPLICATED = NamedSharding(MESH, P("data", "model")), NamedSharding(MESH, P())
+# Every kind of layout a leaf's shards can have: both axes, both on one dimension, one axis (the other
+# replicated), none.
+FLAT, COLUMNS = NamedSharding(MESH, P(("data", "model"), None)), NamedSharding(MESH, P(None, "model"))
 
 
 def state_at(step: int) -> dict:
     w = jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8) / 7.0 + step
     return {"w": jax.device_put(w, SHARDED), "half": jax.device_put(w.astype(jnp.bfloat16), SHARDED),
+            "flat": jax.device_put(w - 3.0, FLAT), "cols": jax.device_put(w.T[:, :6] * -1e-20, COLUMNS),
             "step": jax.device_put(jnp.int32(step), REPLICATED)}
 
 
+SHARDINGS = {"w": SHARDED, "half": SHARDED, "flat": FLAT, "cols": COLUMNS, "step": REPLICATED}
+
+
 def _step(state, flags):
-    new = {"w": state["w"] * 0.5 + 1.0, "half": state["half"] + 1, "step": state["step"] + 1}
-    return new, jnp.sum(new["w"]), step_marks(new, flags)
+    new = {"w": state["w"] * 0.5 + 1.0, "half": state["half"] + 1, "flat": state["flat"] * 2.0,
+           "cols": state["cols"] * 0.5, "step": state["step"] + 1}
+    return new, jnp.sum(new["w"]), step_marks(new, flags, SHARDINGS)
 
 
-STEP = jax.jit(_step, out_shardings=({"w": SHARDED, "half": SHARDED, "step": REPLICATED}, REPLICATED,
-                                     (REPLICATED, REPLICATED)))
+STEP = jax.jit(_step, out_shardings=(SHARDINGS, REPLICATED, (REPLICATED, REPLICATED)))
 
 
 def test_a_steps_marks_equal_the_separate_passes_leaf_by_leaf_and_are_zero_when_not_asked():

@@ -67,7 +67,7 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # over 'data', and the scalar loss is replicated so any process can read it.
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
     # The save marks (fingerprints, summaries) are asked by a replicated flag and come out replicated.
-    step = functools.partial(step_lib.marked_step, make_step(config, spec, module, codec))
+    step = functools.partial(step_lib.marked_step, make_step(config, spec, module, codec), shardings)
     step_fn = step_lib.StepFn(jax.jit(
         step,
         in_shardings=(shardings, batch_sharding, replicated),

@@ -42,11 +42,11 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
     return new_state, value, scalars
 
 
-def marked_step(step: Callable, state: TrainState, batch, flags: jax.Array):
+def marked_step(step: Callable, shardings, state: TrainState, batch, flags: jax.Array):
     """`step` plus the marks a save or a probe of its output needs, when `flags` ask (checkpointing.step_marks:
-    one executable whatever is asked; the untaken branches cost nothing)."""
+    one executable whatever is asked; the untaken branches cost nothing). `shardings`: the state's."""
     new_state, loss, scalars = step(state, batch)
-    return new_state, loss, scalars, step_marks(new_state, flags)
+    return new_state, loss, scalars, step_marks(new_state, flags, shardings)
 
 
 class StepFn:
