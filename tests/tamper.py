@@ -23,6 +23,9 @@ from verifier.verifier import Verifier, VerifierOptions
 RUN = {**helpers.SHARED_RUN, "steps": 30}  # commits 10, 20, 30
 RUN_40 = {**RUN, "steps": 40}
 RUN_10 = {**RUN, "steps": 10}
+# The wide mlp whose genuine steps failed the full proof's state rule across layouts (issue 23): saves
+# 12 and 24 (tests/test_resume_proof.py, tests/test_init_proof.py share the one trained run).
+WIDE = {**RUN, "steps": 24, "save_every_steps": 12, "input_dim": 1024, "hidden_dim": 2048, "num_layers": 2, "seed": 4}
 
 
 def verify_in_process(workdir, mesh=(("data", 8),)) -> dict[int, dict]:

@@ -12,16 +12,13 @@ from checkpointing import probes
 from checkpointing import verdicts
 from checkpointing.workdir import read_manifest
 from tests import helpers
-from tests.tamper import RUN, rewrite_step, zero_adam_moments
+from tests.tamper import RUN, WIDE, rewrite_step, zero_adam_moments
 from trainer.program import build_mesh
 from verifier import program as program_lib
 from verifier import resume_proof
 from verifier.verifier import Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
-
-# The wide mlp whose genuine steps failed the full proof's state rule across layouts (issue 23).
-WIDE = {**RUN, "steps": 24, "save_every_steps": 12, "input_dim": 1024, "hidden_dim": 2048, "num_layers": 2, "seed": 4}
 
 
 def _verify(workdir, mesh, budget):

@@ -40,6 +40,8 @@ class Program:
     batch_fn: Callable[[int], Any]
     loss_rtol: float  # the model's measured cross-layout tolerances (its spec's)
     state_rtol: float
+    init_loss_rtol: float | None = None  # the same for an interval replayed from the init (None: the above)
+    init_state_rtol: float | None = None
     abstract_batch: Any = None  # the global batch as ShapeDtypeStructs (batch_sharding)
     loss_fn: Callable | None = None  # (params, batch) -> scalar loss, unjitted: the eval's
     inputs: data.Inputs | None = None  # the record files of --data/--eval_data (None: synthetic)
@@ -85,6 +87,8 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
         batch_fn=batch_fn,
         loss_rtol=spec.tolerances_of(config)[0],
         state_rtol=spec.tolerances_of(config)[1],
+        init_loss_rtol=spec.init_tolerances_of(config)[0],
+        init_state_rtol=spec.init_tolerances_of(config)[1],
         abstract_batch=data.abstract_batch(batch_fn, batch_sharding),
         # The eval's loss: (params, batch) -> scalar, for specs whose loss takes no model state.
         loss_fn=None if spec.takes_model_state else functools.partial(spec.loss, module),

@@ -5,8 +5,10 @@ should carry (verifier/drift.py does the measuring; docs/verifier.md explains th
       --meshes='data=4,model=2;data=8;data=2,model=4' --windows=1,2,4,8,16 --steps=20 --out=tolerances.json
 
 Trains --steps steps on the first mesh (the recording layout), then replays windows of k steps from
-there on every other mesh, and runs seed 003's broken resumes on the first. Prints one line per
-window (to stdout: the result) and writes --out. Every model flag of the trainer applies (--hidden_dim,
+there (and from the init) on every other mesh, and runs seed 003's broken resumes on the first. Prints
+one line per window (to stdout: the result) and writes --out: the tolerances for an interval from a
+saved step, and those for one from the init (a full proof's first), which a spec's init_tolerances
+or the verifier's --tolerances=FILE reads. Every model flag of the trainer applies (--hidden_dim,
 the optimizer's, a spec's own fields); --workdir is not used. On a CPU-only machine it fakes 8 devices
 unless XLA_FLAGS already says how many.
 """
@@ -82,7 +84,7 @@ def main(argv: list[str]) -> None:
     found = drift.measure(config, meshes, windows, config.steps - windows[-1], NOISE_RATIO.value)
     rows = drift.per_window(found)
     derived = drift.derive(rows, SAFETY.value, SIGNAL_MARGIN.value, NOISE_RATIO.value)
-    result = {"model": config.model, "model_fields": dict(config.model_fields),
+    result = {"model": config.model, "model_fields": dict(config.model_fields), "fixed_fields": config.fixed_fields(),
               "meshes": [drift.mesh_label(m) for m in meshes], "windows": windows,
               "start_step": config.steps - windows[-1], **derived, "per_window": rows,
               "per_mesh": [d.as_dict() for d in found]}

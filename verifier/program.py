@@ -20,13 +20,16 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
     loss_rtol       largest relative difference of a loss across layouts (measured)
     state_rtol      the per-leaf state tolerance across layouts (verifier/tolerances.py)
 
-and, optionally, `step_fn.with_marks(state, batch, wanted) -> (state, loss, marks)`: the same step
-computing the save marks of its output (checkpointing.step_marks), which the cheap proof uses when the
-trainer's probe summaries came from its step; and `code`: the identity of the code it replays with
-(for the trainer: version, spec module and source hash, git commit; trainer/code.py), compared with
-the `config["code"]` each manifest recorded: a step computed by other code is never called
-reproduced (code_change below). trainer.program.Program is one; examples/own_loop.py builds its
-own. Manifests from before the field was recorded name the trainer's.
+and, optionally: `init_loss_rtol` and `init_state_rtol`, the same two for an interval replayed from
+the init, a full proof's first (it drifts far more: Adam's first update is ~g/|g|; None or absent:
+loss_rtol and state_rtol); `step_fn.with_marks(state, batch, wanted) -> (state, loss, marks)`, the
+same step computing the save marks of its output (checkpointing.step_marks), which the cheap proof
+uses when the trainer's probe summaries came from its step; and `code`: the identity of the code it
+replays with (for the trainer: version, spec module and source hash, git commit; trainer/code.py),
+compared with the `config["code"]` each manifest recorded: a step computed by other code is never
+called reproduced (code_change below). The verifier's --tolerances replaces the four rtols
+(with_tolerances below). trainer.program.Program is one; examples/own_loop.py builds its own.
+Manifests from before the field was recorded name the trainer's.
 """
 
 import importlib
@@ -67,6 +70,25 @@ def load(manifest: dict, mesh):
     if missing:
         raise ProgramError(f"program {reference}: its factory's result has no {', '.join(missing)}")
     return program
+
+
+class _Retoleranced:
+    """A program with the rtols of a calibrate file in place of its own; everything else is its own."""
+
+    def __init__(self, program, measured):
+        self._program = program
+        self.loss_rtol, self.state_rtol = measured.loss_rtol, measured.state_rtol
+        self.init_loss_rtol, self.init_state_rtol = measured.init_loss_rtol, measured.init_state_rtol
+
+    def __getattr__(self, name):  # only for what is not set above
+        if name == "_program":  # not yet set (a copy): no recursion
+            raise AttributeError(name)
+        return getattr(self._program, name)
+
+
+def with_tolerances(program, measured):
+    """`program` compared with `measured` (verifier/tolerances.py Measured; None: its own rtols)."""
+    return program if measured is None else _Retoleranced(program, measured)
 
 
 CODE_FIELDS = ("version", "spec_module", "spec_sha256", "git_commit")  # not git_dirty: any edit flips it

@@ -12,7 +12,8 @@ Proofs run forward, so that blame lands on the step that is wrong (levels: check
               (the run's init for the first checkpoint, or the params it imported with --init_from)
               up to this step: every loss the step recorded, and then its whole state, must come out
               equal (verifier/tolerances.py: bit-exact on the recording layout, per-leaf tolerances on
-              another). With --verify_budget below 1 it is given to a sample of the saves
+              another; a replay from the init has its own, where the program has them). With
+              --verify_budget below 1 it is given to a sample of the saves
               (verifier/budget.py); at 1, to every one, so the chain of trust goes back to the seed.
   replayed    the weaker level when the distance exceeds --replay_steps: the replay compared the
               losses it reached, the step's own state is not proved.
@@ -25,6 +26,7 @@ import dataclasses
 import time
 
 import jax
+from absl import logging
 from jax.sharding import AxisType
 
 from checkpointing import compare
@@ -39,6 +41,7 @@ from runtime import collective
 from verifier import identity
 from verifier import program as program_lib
 from verifier import resume_proof
+from verifier import tolerances as tolerances_lib
 from verifier.budget import ProofBudget
 from verifier.chain_proof import INIT, Anchor, ChainProofs  # noqa: F401 (INIT: re-exported)
 
@@ -53,6 +56,8 @@ class VerifierOptions:
     follow: bool = False  # --follow: a save whose probe the trainer is still to record waits for it
     poll_secs: float = 1.0  # first wait between directory polls in --follow
     max_poll_secs: float = 30.0  # polls back off (x2 when nothing new) up to this
+    # --tolerances: a calibrate file's rtols in place of every program's own (None: the programs')
+    tolerances: tolerances_lib.Measured | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +102,12 @@ class StepProofs(ChainProofs):
     def _program_for(self, manifest: dict):
         key = (manifest.get("program"), manifest["fixed_hash"])
         if key not in self._programs:
-            self._programs[key] = program_lib.load(manifest, self.mesh())
+            measured = self.options.tolerances
+            differing = measured.differences(manifest.get("config") or {}) if measured is not None else []
+            if differing:  # the user's choice stands; a mismatch is worth a line, not a refusal
+                logging.warning("--tolerances=%s was measured for another config than this run's (%s differ)",
+                                measured.path, ", ".join(differing))
+            self._programs[key] = program_lib.with_tolerances(program_lib.load(manifest, self.mesh()), measured)
         return self._programs[key]
 
     # --- one step ------------------------------------------------------------------------------

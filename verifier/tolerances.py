@@ -2,7 +2,11 @@
 documented per-leaf tolerances on any other. One owner for that rule.
 
 The numbers are the program's own (verifier/program.py: loss_rtol and state_rtol; for the trainer,
-its model spec's cross_mesh_loss_rtol and cross_mesh_state_rtol, trainer/models). Per leaf, across
+its model spec's cross_mesh_loss_rtol and cross_mesh_state_rtol, trainer/models), or those of a
+calibrate file given to the verifier (--tolerances, `Measured`). An interval replayed from the init
+(a full proof's first) is compared with the program's init_loss_rtol and init_state_rtol where it has
+them (`for_anchor`): Adam's first update is ~g/|g|, so rounding differences in tiny gradients become
+whole-learning-rate steps and the drift from the init is far larger than from a saved step. Per leaf, across
 layouts, ||replayed - saved|| may be at most that state rtol times the larger of ||replayed|| and
 how far the leaf moved during the replay (rounding accumulates with the updates summed, and a moment
 that crossed zero is small but carries the error of its path). The replayed side is the trusted one:
@@ -13,6 +17,7 @@ replay. Integer leaves (the step, Adam's count) must be equal. Swapped or zeroed
 the signal leaves by far more than 1e-4 and fail on any layout.
 """
 
+import dataclasses
 import math
 import re
 
@@ -36,10 +41,75 @@ def same_layout(mesh_shape: dict, process_count: int, manifest: dict) -> bool:
     return dict(mesh_shape) == manifest["mesh"] and process_count == manifest["process_count"]
 
 
-def loss_rtol(program, exact: bool) -> float:
+@dataclasses.dataclass(frozen=True)
+class Rtols:
+    """The relative tolerances one replay is compared with across layouts."""
+
+    loss: float
+    state: float  # a float, or a trainer.models.StateTolerance carrying its own noise rule
+    from_init: bool = False  # the program's own pair for an interval from the init, unlike the ordinary one
+
+    def describe(self) -> str:
+        return f"the from-init tolerances: loss rtol {self.loss:.2g}, state rtol {float(self.state):.2g}"
+
+
+def for_anchor(program, from_init: bool) -> Rtols:
+    """The rtols of a replay across layouts from a proved step, or (`from_init`) from the run's init: the
+    program's init_loss_rtol and init_state_rtol then, where it has them (None or absent: the ordinary
+    loss_rtol and state_rtol, so a program without them is compared as before)."""
+    ordinary = Rtols(program.loss_rtol, program.state_rtol)
+    init_loss, init_state = getattr(program, "init_loss_rtol", None), getattr(program, "init_state_rtol", None)
+    if not from_init or (init_loss is None and init_state is None):
+        return ordinary
+    found = Rtols(ordinary.loss if init_loss is None else init_loss,
+                  ordinary.state if init_state is None else init_state, from_init=True)
+    same = (found.loss == ordinary.loss and float(found.state) == float(ordinary.state)
+            and noise_rule(found.state) == noise_rule(ordinary.state))
+    return ordinary if same else found
+
+
+def loss_rtol(program, exact: bool, from_init: bool = False) -> float:
     """The relative tolerance of a loss-list comparison: 0 (bit-exact) when the numbers were recorded
-    on the same layout, the program's measured bound otherwise."""
-    return 0.0 if exact else program.loss_rtol
+    on the same layout, the program's measured bound otherwise (its from-init one for a replay from
+    the init)."""
+    return 0.0 if exact else for_anchor(program, from_init).loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """The tolerances of a `python -m verifier.calibrate` file (the verifier's --tolerances): they
+    replace every program's own (verifier/program.py with_tolerances)."""
+
+    path: str
+    loss_rtol: float
+    state_rtol: float
+    init_loss_rtol: float
+    init_state_rtol: float
+    model: str | None = None  # what it was measured for, as the file records it (None: not recorded)
+    fixed_fields: dict | None = None
+
+    def describe(self) -> str:
+        return (f"{self.path}: loss rtol {self.loss_rtol:.2g}, state rtol {float(self.state_rtol):.2g}; from the "
+                f"init {self.init_loss_rtol:.2g} and {float(self.init_state_rtol):.2g}")
+
+    def differences(self, config: dict) -> list[str]:
+        """The fixed fields (else the model) of a run's recorded `config` that differ from the file's."""
+        if self.fixed_fields:
+            return sorted(name for name, value in self.fixed_fields.items() if config.get(name) != value)
+        return ["model"] if self.model is not None and config.get("model") != self.model else []
+
+
+def read_measured(path: str) -> Measured:
+    """The file's tolerances; a one-line ConfigError naming it when it is missing, garbled, or says the
+    model cannot be proved across layouts (trainer/models/measured.py reads the format)."""
+    from trainer.models import measured  # the reader of the file calibrate writes
+
+    content = measured.read_tolerances_file(path)
+    loss, state = measured.tolerances_in(content, path)
+    init_loss, init_state = measured.tolerances_in(content, path, from_init=True)
+    fixed = content.get("fixed_fields")
+    return Measured(path, loss, state, init_loss, init_state, content.get("model"),
+                    fixed if isinstance(fixed, dict) else None)
 
 
 def noise_rule(rtol) -> tuple[float, float]:

@@ -4,7 +4,8 @@ A separate process with its own devices and mesh. It reads the trainer's checkpo
 changes them), proves each committed step (verifier/proofs.py) and writes a verdict per step.
 --once verifies what is pending and exits: 0 if every committed step's verdict passed, 1 if any
 failed, 2 for bad input. --follow keeps polling (with backoff) until --until_step, or the run's
-final checkpoint, is verified, or until SIGTERM; same exit codes.
+final checkpoint, is verified, or until SIGTERM; same exit codes. --tolerances=FILE compares across
+layouts with what `python -m verifier.calibrate` measured for the run's model instead of its spec's.
 """
 
 import signal
@@ -20,6 +21,7 @@ from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
 from checkpointing.config import ConfigError
 from trainer.config import check_mesh, parse_mesh
+from verifier import tolerances
 from verifier.verifier import Verifier, VerifierOptions
 
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
@@ -41,6 +43,12 @@ UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this 
 POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between polls (doubles while idle).",
                                lower_bound=0.01)
 MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between polls.", lower_bound=0.01)
+# How strictly this verifier compares across layouts is its own setting, not the run's: the trainer
+# never reads it, so it is not in the run's config, manifest or identity (docs/verifier.md).
+TOLERANCES = flags.DEFINE_string(
+    "tolerances", "", "A JSON file written by python -m verifier.calibrate --out for the run's model: its "
+    "cross-layout rtols replace the model's own, the from-init pair for a full proof's first interval. Empty: "
+    "the model's.")
 
 
 def failing_steps(workdir: str) -> list[int]:
@@ -51,6 +59,12 @@ def failing_steps(workdir: str) -> list[int]:
 def main(argv: list[str]) -> int:
     if FOLLOW.value == ONCE.value:
         raise ValueError("give exactly one of --follow and --once")
+    measured = None
+    if TOLERANCES.value:
+        try:
+            measured = tolerances.read_measured(TOLERANCES.value)
+        except ConfigError as err:
+            raise ConfigError(f"--tolerances={err}") from None
     distributed.initialize()
     if not WORKDIR.value:
         raise ConfigError("--workdir is required")
@@ -60,12 +74,14 @@ def main(argv: list[str]) -> int:
     check_mesh(mesh, jax.device_count())
     options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
-                              poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value)
+                              poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured)
     # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     verifier = Verifier(options, stop)
     logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
+    if measured is not None:
+        logging.info("cross-layout tolerances from --tolerances=%s", measured.describe())
     if ONCE.value:
         verifier.verify_pending()
     else:

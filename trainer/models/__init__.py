@@ -12,7 +12,9 @@ What a spec must honour for a run to resume and verify on any mesh:
   the same rows on every mesh and after every restart.
 - `partition` decides a leaf's layout from its shape alone, so a parameter and its two Adam
   moments always share one.
-- the tolerances are measured: run the model on two meshes and keep a ~10x margin over the spread.
+- the tolerances are measured (`python -m verifier.calibrate`; `load_tolerances` reads its file,
+  trainer/models/measured.py): one pair for an interval replayed from a saved step, and optionally
+  (`init_tolerances`) a looser one for the first interval, replayed from the init.
 
 The loss is `loss(module, params, model_state, batch, rng) -> (loss, new_model_state)`: model_state
 holds every collection the init returned besides params (BatchNorm's batch_stats), rng is the step's
@@ -30,6 +32,7 @@ from typing import Any, Callable
 from jax.sharding import PartitionSpec as P
 
 from trainer.config import ConfigError, TrainConfig
+from trainer.models.measured import StateTolerance, load_tolerances  # noqa: F401 (the spec's API)
 
 BUILT_IN = ("mlp", "transformer")
 _BUILT_IN_PATHS = {"mlp": "trainer.models.mlp:SPEC", "transformer": "trainer.models.transformer:SPEC"}
@@ -49,42 +52,6 @@ def default_partition(shape: tuple[int, ...], model_size: int) -> P:
 
 def accept_any_config(config: TrainConfig) -> None:
     """The default `check_config`: the model takes any config the trainer accepts."""
-
-
-class StateTolerance(float):
-    """A cross_mesh_state_rtol that also carries its own rule for noise-driven leaves
-    (verifier/tolerances.py): a leaf whose Adam first moment's RMS is at most `noise_ratio` of the
-    largest may also differ by `noise_factor` times how far it moved. It is a float everywhere else, so
-    a spec's `tolerances(config)` may return one where the compute dtype changes the rounding noise
-    (bfloat16's is ~6e4 times float32's). None: the verifier's defaults."""
-
-    noise_ratio: float | None
-    noise_factor: float | None
-
-    def __new__(cls, rtol: float, noise_ratio: float | None = None, noise_factor: float | None = None):
-        value = super().__new__(cls, rtol)
-        value.noise_ratio, value.noise_factor = noise_ratio, noise_factor
-        return value
-
-    def __repr__(self) -> str:
-        return f"StateTolerance({float(self)!r}, noise_ratio={self.noise_ratio!r}, noise_factor={self.noise_factor!r})"
-
-    __str__ = float.__repr__
-
-
-def load_tolerances(path: str) -> tuple[float, StateTolerance]:
-    """(cross_mesh_loss_rtol, cross_mesh_state_rtol) from the JSON `python -m verifier.calibrate --out`
-    wrote, for a spec's `tolerances(config)`. A ConfigError when it found the model cannot be proved
-    across layouts (its drift comes too close to the broken-resume signals): prove it on its
-    recording layout instead."""
-    import json
-
-    with open(path) as f:
-        measured = json.load(f)
-    if not measured["provable_across_layouts"]:
-        raise ConfigError(f"{path}: {measured['reason']}")
-    return float(measured["cross_mesh_loss_rtol"]), StateTolerance(
-        measured["cross_mesh_state_rtol"], measured["noise_ratio"], measured["noise_factor"])
 
 
 FIELD_TYPES = (bool, int, float, str)
@@ -149,11 +116,20 @@ class ModelSpec:
     make_optimizer: Callable[[TrainConfig], Any] | None = None
     # config -> (loss rtol, state rtol) where they depend on the config (bf16 compute); None: the two above.
     tolerances: Callable[[TrainConfig], tuple[float, float]] | None = None
+    # config -> (loss rtol, state rtol) of an interval replayed from the init, a full proof's first
+    # (Adam's first update, g/|g|, makes it drift far more); None: tolerances_of's.
+    init_tolerances: Callable[[TrainConfig], tuple[float, float]] | None = None
 
     def tolerances_of(self, config: TrainConfig) -> tuple[float, float]:
         if self.tolerances is None:
             return self.cross_mesh_loss_rtol, self.cross_mesh_state_rtol
         return tuple(self.tolerances(config))
+
+    def init_tolerances_of(self, config: TrainConfig) -> tuple[float, float]:
+        """(loss rtol, state rtol) across layouts for an interval replayed from the config's init."""
+        if self.init_tolerances is None:
+            return self.tolerances_of(config)
+        return tuple(self.init_tolerances(config))
 
     @property
     def takes_model_state(self) -> bool:
@@ -167,8 +143,9 @@ class ModelSpec:
         return len(positional) != 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
     def __post_init__(self):
-        if self.make_optimizer is not None and not callable(self.make_optimizer):
-            raise ConfigError(f"model {self.name!r}: make_optimizer must be callable")
+        for field in ("make_optimizer", "tolerances", "init_tolerances"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise ConfigError(f"model {self.name!r}: {field} must be callable")
         taken = {f.name for f in dataclasses.fields(TrainConfig)} | _checkpoint_names() | {"code"}
         names = [f.name for f in self.fields]
         for field in self.fields:
