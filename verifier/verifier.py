@@ -4,6 +4,8 @@ the verdicts written (process 0 writes; every process restores and replays, foll
 Intact proofs come first, HELD_STATES steps at a time, each step restored once and held for its own
 replay (verifier/proofs.py); under --follow, steps committed during a replay are proved intact
 between its REPLAY_CHUNK_STEPS-step chunks, so a new commit's first verdict does not wait for it.
+While idle, --follow lists again as soon as a local workdir's checkpoints/ or probes/ changes
+(verifier/commit_watch.py), else after its backoff delay (the only signal on gs://).
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
@@ -17,6 +19,7 @@ from checkpointing.errors import CheckpointError
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
+from verifier.commit_watch import CommitWatch
 from verifier.proofs import HeldStep, StepProofs, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
@@ -149,11 +152,17 @@ class Verifier(StepProofs):
                         verdict["detail"])
 
     def follow(self, stop: threading.Event, until_step: int | None = None) -> list[dict]:
-        """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
+        """Verifies steps as they commit until `until_step` (or the run's final step) is verified.
+
+        While idle, process 0 waits for a change in the workdir (verifier/commit_watch.py) or the
+        backoff delay, whichever comes first; the other processes wait for its word in the
+        collective at the top of the loop, so every process lists again (and stops) together.
+        """
         written, delay = [], self.options.poll_secs
         self._stop = stop
         self._intact_between_chunks = True
-        while not stop.is_set():
+        watch = CommitWatch(self.options.workdir) if jax.process_index() == 0 else None  # before the first listing
+        while not collective.decided_by_primary(stop.is_set):
             # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
             fresh = self.verify_pending(max_steps=HELD_STATES)
             written += fresh
@@ -162,7 +171,8 @@ class Verifier(StepProofs):
             if fresh:  # more may be pending already: list again at once, and back off from the start
                 delay = self.options.poll_secs
                 continue
-            stop.wait(delay)
+            if watch is not None:
+                watch.wait(delay, stop)
             delay = min(delay * 2, self.options.max_poll_secs)
         return written
 

@@ -3,8 +3,9 @@
 A separate process with its own devices and mesh. It reads the trainer's checkpoints (never
 changes them), proves each committed step (verifier/proofs.py) and writes a verdict per step.
 --once verifies what is pending and exits: 0 if every committed step's verdict passed, 1 if any
-failed, 2 for bad input. --follow keeps polling (with backoff) until --until_step, or the run's
-final checkpoint, is verified, or until SIGTERM; same exit codes.
+failed, 2 for bad input. --follow keeps following until --until_step, or the run's final
+checkpoint, is verified, or until SIGTERM; same exit codes. On a local workdir it notices a commit
+within milliseconds (verifier/commit_watch.py); on gs:// it polls with backoff.
 """
 
 import signal
@@ -38,9 +39,9 @@ VERIFY_BUDGET = flags.DEFINE_float(
     "proof (a few steps from each checkpoint against what the trainer recorded after it) runs at every save "
     "regardless.", lower_bound=0.0)
 UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this step is committed and verified.")
-POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between polls (doubles while idle).",
-                               lower_bound=0.01)
-MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between polls.", lower_bound=0.01)
+POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between listings (doubles while idle); "
+                               "on a local workdir a commit ends the wait at once.", lower_bound=0.01)
+MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between listings.", lower_bound=0.01)
 
 
 def failing_steps(workdir: str) -> list[int]:
