@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -133,6 +134,31 @@ def test_follow_proves_new_commits_intact_during_a_replay(workdir, trained, rest
     assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
     assert restored_steps == [10, 20, 30]
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+def test_follow_wakes_on_a_commit_not_on_its_backoff(workdir, trained):
+    # A backoff far longer than the test: only the commit watch (verifier/commit_watch.py) can start
+    # step 30's proof once its save is renamed into place, as an Orbax commit does on a local disk.
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),), follow=True, poll_secs=3600,
+                                        max_poll_secs=3600))
+    stop, written = threading.Event(), []
+    thread = threading.Thread(target=lambda: written.extend(verifier.follow(stop, until_step=30)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300  # hang guards, not speed requirements
+        while not (verdicts.read(workdir, 20) or {}).get("complete") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.is_alive(), "follow returned before step 30 was committed"
+        time.sleep(0.5)  # it is idle now, waiting on the watch
+        os.rename(in_flight, committed)
+        thread.join(300)
+        assert not thread.is_alive(), "the commit of step 30 did not wake the verifier"
+    finally:
+        stop.set()
+    assert [(v["step"], v["level"], v["status"]) for v in written] == [(s, "reproduced", "pass") for s in (10, 20, 30)]
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):
