@@ -89,14 +89,17 @@ def directory_times(workdir):
 
 
 class RecordingVerifier(Verifier):
-    """The real verifier, recording the order of its verdict writes as (step, complete)."""
+    """The real verifier, recording the order of its verdict writes as (step, complete), and how many
+    step executables its replay programs had compiled at each."""
 
     def __init__(self, options):
         super().__init__(options)
         self.writes = []
+        self.compiled_steps = []
 
     def _write(self, verdict):
         self.writes.append((verdict["step"], verdict["complete"]))
+        self.compiled_steps.append(sum(program.step_fn._cache_size() for program in self._programs.values()))
         super()._write(verdict)
 
 
@@ -123,6 +126,8 @@ def test_once_proves_two_steps_at_a_time_intact_first_each_restored_once(workdir
     assert verifier.writes == expected
     assert restored_steps == steps
     assert [verdicts.read_all(workdir)[step]["level"] for step in steps] == ["reproduced"] * 3
+    # A new verifier proves steps intact before it compiles its replay: the first verdicts wait for no compile.
+    assert verifier.compiled_steps[:HELD_STATES] == [0] * HELD_STATES and verifier.compiled_steps[-1] == 1
 
 
 def test_follow_proves_new_commits_intact_during_a_replay(workdir, trained, restored_steps):
