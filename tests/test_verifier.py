@@ -166,6 +166,39 @@ def test_follow_wakes_on_a_commit_not_on_its_backoff(workdir, trained):
     assert [(v["step"], v["level"], v["status"]) for v in written] == [(s, "reproduced", "pass") for s in (10, 20, 30)]
 
 
+class CommitDuringReplay(RecordingVerifier):
+    """Renames a hidden save into place at the second look for new commits of a replay (its first chunk is
+    over), and counts the listings (the plans agreed)."""
+
+    def __init__(self, options, hidden, committed):
+        super().__init__(options)
+        self.moves, self.looks, self.listings = (hidden, committed), 0, 0
+
+    def _prove_new_commits_intact(self, first_chunk):
+        self.looks += 1
+        if self.looks == 2:
+            os.rename(*self.moves)
+        super()._prove_new_commits_intact(first_chunk)
+
+    def _agreed_plan(self):
+        self.listings += 1
+        return super()._agreed_plan()
+
+
+def test_follow_proves_a_commit_made_mid_replay_at_the_next_step_and_lists_only_after_a_change(workdir, trained):
+    # On a local workdir --follow looks for new commits after every replayed step, but after a replay's
+    # first chunk it lists only when the commit watch saw a change.
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = CommitDuringReplay(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight, committed)
+    verifier.follow(threading.Event(), until_step=30)
+    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
+    # A look after every replayed step (3 full proofs of 10 steps, 3 cheap ones of a few), and listings
+    # only at each pass, each replay's first look and the looks after a change.
+    assert verifier.looks >= 27 and verifier.listings < verifier.looks // 2, (verifier.looks, verifier.listings)
+
+
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):
     Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),), replay_steps=5)).verify_pending()
     found = verdicts.read_all(workdir)

@@ -50,11 +50,10 @@ class CommitWatch:
         return bool(self._paths)
 
     def wait(self, timeout_secs: float, stop: threading.Event) -> bool:
-        """Returns True once a watched directory differs from the last look (it is then the last
-        look), or a racy look is due again; False once `timeout_secs` passed or `stop` is set."""
+        """Returns True once changed() is, False once `timeout_secs` passed or `stop` is set."""
         deadline = time.monotonic() + timeout_secs
         while not stop.is_set():
-            if self._paths and self._changed():
+            if self.changed():
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -62,7 +61,11 @@ class CommitWatch:
             stop.wait(min(self._tick_secs, remaining) if self._paths else remaining)
         return False
 
-    def _changed(self) -> bool:
+    def changed(self) -> bool:
+        """One look: whether a watched directory differs from the last look, or a racy look is due
+        again (always False on gs://). A True is reported once: the caller lists after it."""
+        if not self._paths:
+            return False
         before, racy_due = self._seen, self._settled_ns is not None and time.time_ns() >= self._settled_ns
         self._look()
         return self._seen != before or racy_due
