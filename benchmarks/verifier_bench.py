@@ -3,7 +3,7 @@
 The real trainer (`python -m trainer.train`, mlp, data=4,model=2 over 8 fake CPU devices, params +
 two Adam moments >= 256 MiB) runs as a subprocess, alone or with the real verifier following it
 (`python -m verifier.verify --follow --mesh=<--verifier_mesh>`, by default data=4,model=2 on 8 fake CPU
-devices of its own, polling every 0.1-0.5s),
+devices of its own, its fallback backoff 0.1-0.5s),
 one verifier variant per --verify_budgets value: 0, the cheap proof at every save (a few steps replayed from
 it against the trainer's probe; the full proof at the final step only), and 1, the full proof of every
 interval too:

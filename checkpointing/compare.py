@@ -114,12 +114,18 @@ def compare_leaves(actual, expected, tolerances: dict[str, float]) -> Mismatch |
 
 @jax.jit
 def _finite_flags(leaves):
-    return [jnp.all(jnp.isfinite(leaf)) for leaf in leaves]
+    # x * 0 is 0 for a finite x and NaN for NaN or +-Inf, so one vectorized sum per leaf tells (XLA never
+    # folds x * 0 for floats: that would break NaN). On XLA's CPU backend jnp.all(jnp.isfinite(x)) took
+    # about as long as the restore it checks (0.21 s against 0.05 s for 260 MiB on 8 CPU devices).
+    # One stacked array: one transfer to the host.
+    return jnp.stack([jnp.isfinite(jnp.sum(leaf * 0)) for leaf in leaves])
 
 
 def nonfinite_leaves(tree) -> list[str]:
     """Key paths of the floating-point leaves that hold a NaN or an Inf (checked on device)."""
     flat = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
             if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    if not flat:
+        return []
     flags = jax.device_get(_finite_flags([leaf for _, leaf in flat]))
     return [path for (path, _), ok in zip(flat, flags) if not ok]

@@ -5,6 +5,7 @@
     <workdir>/checkpoints/<step>/input_state/process_<i>-of-<n>.json   a data iterator's state (input_state.py)
     <workdir>/superseded/<step>-<time>[.verdict.json]  steps a resume from an older step set aside
     <workdir>/verdicts/<step>.json               the verifier's verdict on one committed step
+    <workdir>/probes/<step>.json                 what the trainer recorded k steps after a save (probes.py)
     <workdir>/lease/<generation>.json            who may write this workdir (checkpointing/lease.py)
     <workdir>/metrics.jsonl, tensorboard/        the trainer's per-step metrics and event files
 
@@ -81,8 +82,12 @@ def verdict_file(workdir: str, step: int) -> epath.Path:
     return verdicts_dir(workdir) / f"{step}.json"
 
 
+def probes_dir(workdir: str) -> epath.Path:
+    return epath.Path(_join(workdir, PROBES_DIR))
+
+
 def probe_file(workdir: str, step: int) -> epath.Path:
-    return epath.Path(_join(workdir, PROBES_DIR)) / f"{step}.json"
+    return probes_dir(workdir) / f"{step}.json"
 
 
 def lease_dir(workdir: str) -> str:

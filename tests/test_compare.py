@@ -2,8 +2,10 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from checkpointing import compare
 
@@ -43,3 +45,14 @@ def test_leaves_compare_by_path_with_their_own_tolerance_and_nan_fails():
     mismatch = compare.compare_leaves(poisoned, expected, {"['a']": 1.0, "['b']": 1e30})
     assert mismatch.where == "['b']" and "NaN" in mismatch.detail
     assert compare.nonfinite_leaves(poisoned) == ["['b']"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_nonfinite_leaves_names_each_leaf_with_a_nan_or_inf_on_any_sharding(bad, dtype):
+    mesh = jax.make_mesh((8,), ("data",))
+    values = jnp.full((64, 8), jnp.finfo(dtype).max, dtype)  # the largest finite values stay finite
+    poisoned = jax.device_put(values.at[37, 5].set(bad), NamedSharding(mesh, P("data")))
+    tree = {"big": values, "bad": poisoned, "step": jnp.int32(3)}
+    assert compare.nonfinite_leaves(tree) == ["['bad']"]
+    assert compare.nonfinite_leaves({"step": jnp.int32(3)}) == []

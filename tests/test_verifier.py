@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -88,14 +89,17 @@ def directory_times(workdir):
 
 
 class RecordingVerifier(Verifier):
-    """The real verifier, recording the order of its verdict writes as (step, complete)."""
+    """The real verifier, recording the order of its verdict writes as (step, complete), and how many
+    step executables its replay programs had compiled at each."""
 
     def __init__(self, options):
         super().__init__(options)
         self.writes = []
+        self.compiled_steps = []
 
     def _write(self, verdict):
         self.writes.append((verdict["step"], verdict["complete"]))
+        self.compiled_steps.append(sum(program.step_fn._cache_size() for program in self._programs.values()))
         super()._write(verdict)
 
 
@@ -122,6 +126,8 @@ def test_once_proves_two_steps_at_a_time_intact_first_each_restored_once(workdir
     assert verifier.writes == expected
     assert restored_steps == steps
     assert [verdicts.read_all(workdir)[step]["level"] for step in steps] == ["reproduced"] * 3
+    # A new verifier proves steps intact before it compiles its replay: the first verdicts wait for no compile.
+    assert verifier.compiled_steps[:HELD_STATES] == [0] * HELD_STATES and verifier.compiled_steps[-1] == 1
 
 
 def test_follow_proves_new_commits_intact_during_a_replay(workdir, trained, restored_steps):
@@ -133,6 +139,64 @@ def test_follow_proves_new_commits_intact_during_a_replay(workdir, trained, rest
     assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
     assert restored_steps == [10, 20, 30]
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+def test_follow_wakes_on_a_commit_not_on_its_backoff(workdir, trained):
+    # A backoff far longer than the test: only the commit watch (verifier/commit_watch.py) can start
+    # step 30's proof once its save is renamed into place, as an Orbax commit does on a local disk.
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),), follow=True, poll_secs=3600,
+                                        max_poll_secs=3600))
+    stop, written = threading.Event(), []
+    thread = threading.Thread(target=lambda: written.extend(verifier.follow(stop, until_step=30)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 300  # hang guards, not speed requirements
+        while not (verdicts.read(workdir, 20) or {}).get("complete") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert thread.is_alive(), "follow returned before step 30 was committed"
+        time.sleep(0.5)  # it is idle now, waiting on the watch
+        os.rename(in_flight, committed)
+        thread.join(300)
+        assert not thread.is_alive(), "the commit of step 30 did not wake the verifier"
+    finally:
+        stop.set()
+    assert [(v["step"], v["level"], v["status"]) for v in written] == [(s, "reproduced", "pass") for s in (10, 20, 30)]
+
+
+class CommitDuringReplay(RecordingVerifier):
+    """Renames a hidden save into place at the second look for new commits of a replay (its first chunk is
+    over), and counts the listings (the plans agreed)."""
+
+    def __init__(self, options, hidden, committed):
+        super().__init__(options)
+        self.moves, self.looks, self.listings = (hidden, committed), 0, 0
+
+    def _prove_new_commits_intact(self, first_chunk):
+        self.looks += 1
+        if self.looks == 2:
+            os.rename(*self.moves)
+        super()._prove_new_commits_intact(first_chunk)
+
+    def _agreed_plan(self):
+        self.listings += 1
+        return super()._agreed_plan()
+
+
+def test_follow_proves_a_commit_made_mid_replay_at_the_next_step_and_lists_only_after_a_change(workdir, trained):
+    # On a local workdir --follow looks for new commits after every replayed step, but after a replay's
+    # first chunk it lists only when the commit watch saw a change.
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = CommitDuringReplay(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight, committed)
+    verifier.follow(threading.Event(), until_step=30)
+    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
+    # A look after every replayed step (3 full proofs of 10 steps, 3 cheap ones of a few), and listings
+    # only at each pass, each replay's first look and the looks after a change.
+    assert verifier.looks >= 27 and verifier.listings < verifier.looks // 2, (verifier.looks, verifier.listings)
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):

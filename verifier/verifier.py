@@ -3,7 +3,10 @@ the verdicts written (process 0 writes; every process restores and replays, foll
 
 Intact proofs come first, HELD_STATES steps at a time, each step restored once and held for its own
 replay (verifier/proofs.py); under --follow, steps committed during a replay are proved intact
-between its REPLAY_CHUNK_STEPS-step chunks, so a new commit's first verdict does not wait for it.
+between its chunks (one step each on a local workdir, REPLAY_CHUNK_STEPS on gs://), so a new
+commit's first verdict does not wait for it. While idle, --follow lists again as soon as a local
+workdir's checkpoints/ or probes/ changes (verifier/commit_watch.py), else after its backoff delay
+(the only signal on gs://).
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
@@ -12,17 +15,20 @@ import threading
 import jax
 from absl import logging
 
-from checkpointing import verdicts
+from checkpointing import durable, verdicts
 from checkpointing.errors import CheckpointError
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
+from verifier.commit_watch import CommitWatch
 from verifier.proofs import HeldStep, StepProofs, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
 # step being proved, at most HELD_STATES + 3 states are on the verifier's devices at once.
 HELD_STATES = 2
-# --follow looks for new commits every this many replayed steps and proves them intact at once.
+# --follow looks for new commits every this many replayed steps on gs:// (a listing and a read per
+# committed step) and proves them intact at once; on a local workdir after every step, where the
+# commit watch makes looking one stat.
 REPLAY_CHUNK_STEPS = 2
 
 
@@ -37,6 +43,7 @@ class Verifier(StepProofs):
         self._held: dict[int, HeldStep] = {}  # intact steps (verdict written) waiting for their replay
         self._intact_between_chunks = False  # --follow: prove new commits intact during a replay
         self._proving: int | None = None  # the step whose replay is running
+        self._watch: CommitWatch | None = None  # --follow, process 0: what tells it the workdir changed
 
     def pending_steps(self) -> list[int]:
         return self._pending_and_proved()[0]
@@ -119,18 +126,26 @@ class Verifier(StepProofs):
     def _replay(self, program, state, start_step: int, count: int, batches=None):
         """program.replay_losses in chunks; under --follow, steps committed meanwhile are proved intact
         (and held) between chunks, so their first verdict does not wait for this whole replay."""
-        losses = {}
-        for first in range(start_step, start_step + count, REPLAY_CHUNK_STEPS):
-            steps = min(REPLAY_CHUNK_STEPS, start_step + count - first)
+        losses, chunk_steps = {}, self._chunk_steps()
+        for first in range(start_step, start_step + count, chunk_steps):
+            steps = min(chunk_steps, start_step + count - first)
             self._check_stop()
             state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
             losses.update(chunk)
-            if self._intact_between_chunks and first + REPLAY_CHUNK_STEPS < start_step + count:
-                self._prove_new_commits_intact()
+            if self._intact_between_chunks and first + chunk_steps < start_step + count:
+                self._prove_new_commits_intact(first_chunk=first == start_step)
         return state, losses
 
-    def _prove_new_commits_intact(self) -> None:
+    def _chunk_steps(self) -> int:
+        """Replayed steps between two looks for new commits (the same on every process)."""
+        return 1 if self._intact_between_chunks and durable.is_local(self.options.workdir) else REPLAY_CHUNK_STEPS
+
+    def _prove_new_commits_intact(self, first_chunk: bool) -> None:
         if len(self._held) >= HELD_STATES:  # the same on every process: they follow one plan
+            return
+        # The first chunk's listing takes every pending step it can hold; after it, a step is new only
+        # if the workdir changed. Process 0 looks (its watch), every process follows its answer.
+        if not first_chunk and not collective.decided_by_primary(self._workdir_changed):
             return
         skip = set(self._held) | {self._proving}
         for step, _ in self._agreed_plan():  # every process the same plan: the restores are collective
@@ -138,6 +153,10 @@ class Verifier(StepProofs):
                 break
             if step not in skip:
                 self._hold_if_intact(step)
+
+    def _workdir_changed(self) -> bool:
+        """Process 0: whether a listing may find something new (no watch, or gs://: always)."""
+        return self._watch is None or not self._watch.watching or self._watch.changed()
 
     def _write(self, verdict: dict) -> None:
         if jax.process_index() != 0:
@@ -149,11 +168,18 @@ class Verifier(StepProofs):
                         verdict["detail"])
 
     def follow(self, stop: threading.Event, until_step: int | None = None) -> list[dict]:
-        """Verifies steps as they commit until `until_step` (or the run's final step) is verified."""
+        """Verifies steps as they commit until `until_step` (or the run's final step) is verified.
+
+        While idle, process 0 waits for a change in the workdir (verifier/commit_watch.py) or the
+        backoff delay, whichever comes first; the other processes wait for its word in the
+        collective at the top of the loop, so every process lists again (and stops) together.
+        """
         written, delay = [], self.options.poll_secs
         self._stop = stop
         self._intact_between_chunks = True
-        while not stop.is_set():
+        # Its first look comes before the first listing: a change after either is seen.
+        self._watch = CommitWatch(self.options.workdir) if jax.process_index() == 0 else None
+        while not collective.decided_by_primary(stop.is_set):
             # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
             fresh = self.verify_pending(max_steps=HELD_STATES)
             written += fresh
@@ -162,7 +188,8 @@ class Verifier(StepProofs):
             if fresh:  # more may be pending already: list again at once, and back off from the start
                 delay = self.options.poll_secs
                 continue
-            stop.wait(delay)
+            if self._watch is not None:
+                self._watch.wait(delay, stop)
             delay = min(delay * 2, self.options.max_poll_secs)
         return written
 

@@ -3,9 +3,11 @@
 A separate process with its own devices and mesh. It reads the trainer's checkpoints (never
 changes them), proves each committed step (verifier/proofs.py) and writes a verdict per step.
 --once verifies what is pending and exits: 0 if every committed step's verdict passed, 1 if any
-failed, 2 for bad input. --follow keeps polling (with backoff) until --until_step, or the run's
-final checkpoint, is verified, or until SIGTERM; same exit codes. --tolerances=FILE compares across
-layouts with what `python -m verifier.calibrate` measured for the run's model instead of its spec's.
+failed, 2 for bad input. --follow keeps following until --until_step, or the run's final
+checkpoint, is verified, or until SIGTERM; same exit codes. On a local workdir it notices a commit
+within milliseconds (verifier/commit_watch.py); on gs:// it polls with backoff. --tolerances=FILE
+compares across layouts with what `python -m verifier.calibrate` measured for the run's model
+instead of its spec's.
 """
 
 import signal
@@ -40,9 +42,9 @@ VERIFY_BUDGET = flags.DEFINE_float(
     "proof (a few steps from each checkpoint against what the trainer recorded after it) runs at every save "
     "regardless.", lower_bound=0.0)
 UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this step is committed and verified.")
-POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between polls (doubles while idle).",
-                               lower_bound=0.01)
-MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between polls.", lower_bound=0.01)
+POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between listings (doubles while idle); "
+                               "on a local workdir a commit ends the wait at once.", lower_bound=0.01)
+MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between listings.", lower_bound=0.01)
 # How strictly this verifier compares across layouts is its own setting, not the run's: the trainer
 # never reads it, so it is not in the run's config, manifest or identity (docs/verifier.md).
 TOLERANCES = flags.DEFINE_string(

@@ -1,0 +1,121 @@
+"""The commit watch (verifier/commit_watch.py) on real directories: a rename into checkpoints/ or
+probes/ ends the wait at once; with no change the wait lasts until its timeout (the backoff)."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from verifier import commit_watch
+from verifier.commit_watch import CommitWatch
+
+LONG_BACKOFF_SECS = 30.0  # far longer than any wait a test expects
+HANG_GUARD_SECS = 10.0  # only a guard against a wait that never returns, not a speed requirement
+
+
+def settled(*paths):
+    """Dates `paths` a minute back, so their signatures are not racy (commit_watch.RACY_SECS)."""
+    past = time.time() - 60
+    for path in paths:
+        os.utime(path, (past, past))
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    path = tmp_path / "checkpoints"
+    path.mkdir()
+    settled(path)
+    return path
+
+
+def wait_in_thread(watch, timeout_secs):
+    """Starts watch.wait in a thread; returns (thread, result dict) once it is waiting."""
+    result, stop = {}, threading.Event()
+
+    def run():
+        started = time.monotonic()
+        result["changed"] = watch.wait(timeout_secs, stop)
+        result["secs"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    time.sleep(0.1)  # several ticks: the watch is past its first look
+    return thread, result, stop
+
+
+def test_a_commit_rename_ends_the_wait(tmp_path, checkpoints):
+    tmp = checkpoints / "8.orbax-checkpoint-tmp-1700000000"
+    tmp.mkdir()
+    settled(tmp, checkpoints)
+    watch = CommitWatch(str(tmp_path))
+    assert watch.watching
+    thread, result, _ = wait_in_thread(watch, LONG_BACKOFF_SECS)
+    assert thread.is_alive(), "nothing changed yet: the wait goes on"
+    tmp.rename(checkpoints / "8")  # what an Orbax commit does on a local disk
+    thread.join(HANG_GUARD_SECS)
+    assert not thread.is_alive() and result["changed"] is True
+    assert result["secs"] < LONG_BACKOFF_SECS  # woken by the rename, not by the backoff
+
+
+def test_a_probe_landing_ends_the_wait(tmp_path, checkpoints):
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    settled(probes)
+    watch = CommitWatch(str(tmp_path))
+    thread, result, _ = wait_in_thread(watch, LONG_BACKOFF_SECS)
+    written = probes / "8.json.tmp"
+    written.write_text("{}")
+    written.rename(probes / "8.json")
+    thread.join(HANG_GUARD_SECS)
+    assert not thread.is_alive() and result["changed"] is True
+
+
+def test_the_checkpoints_directory_appearing_ends_the_wait(tmp_path):
+    # The verifier may start before the trainer has created anything.
+    watch = CommitWatch(str(tmp_path))
+    thread, result, _ = wait_in_thread(watch, LONG_BACKOFF_SECS)
+    (tmp_path / "checkpoints").mkdir()
+    thread.join(HANG_GUARD_SECS)
+    assert not thread.is_alive() and result["changed"] is True
+
+
+def test_with_no_change_the_wait_lasts_until_its_timeout(tmp_path, checkpoints):
+    watch = CommitWatch(str(tmp_path))
+    started = time.monotonic()
+    assert watch.wait(0.3, threading.Event()) is False
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_wait_after_a_change_was_seen_waits_for_the_next_one(tmp_path, checkpoints, monkeypatch):
+    monkeypatch.setattr(commit_watch, "_RACY_NS", 0)  # the rename's fresh mtime is not racy here
+    watch = CommitWatch(str(tmp_path))
+    (checkpoints / "8").mkdir()
+    assert watch.wait(LONG_BACKOFF_SECS, threading.Event()) is True
+    assert watch.wait(0.2, threading.Event()) is False
+
+
+def test_a_racy_signature_is_looked_at_once_more(tmp_path, checkpoints, monkeypatch):
+    # A change within the filesystem's timestamp granularity of the look could leave the same mtime:
+    # a look that soon after the change wakes the verifier once more, RACY_SECS later.
+    monkeypatch.setattr(commit_watch, "_RACY_NS", int(0.3e9))
+    (checkpoints / "8").mkdir()  # mtime now: the first look is racy
+    watch = CommitWatch(str(tmp_path))
+    assert watch.wait(LONG_BACKOFF_SECS, threading.Event()) is True
+    assert watch.wait(0.5, threading.Event()) is False  # settled: no more wake-ups without a change
+
+
+def test_stop_ends_the_wait(tmp_path, checkpoints):
+    watch = CommitWatch(str(tmp_path))
+    thread, result, stop = wait_in_thread(watch, LONG_BACKOFF_SECS)
+    stop.set()
+    thread.join(HANG_GUARD_SECS)
+    assert not thread.is_alive() and result["changed"] is False
+
+
+def test_a_gcs_workdir_is_not_watched_and_waits_out_the_backoff():
+    watch = CommitWatch("gs://bucket/run")
+    assert not watch.watching
+    started = time.monotonic()
+    assert watch.wait(0.2, threading.Event()) is False
+    assert time.monotonic() - started >= 0.2
