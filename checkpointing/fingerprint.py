@@ -14,10 +14,12 @@ reduction fused with the mixing, so no element's word is ever written to memory.
 """
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 _INDEX_MULTIPLIER = 0x9E3779B9  # odd (golden ratio): index -> offset is a bijection mod 2**32
@@ -94,6 +96,28 @@ def tree_fingerprints(tree):
     Every leaf must live on one mesh (the program's; the result is replicated on it) or on one device.
     """
     return _fingerprint_fn(getattr(jax.tree.leaves(tree)[0].sharding, "mesh", None))(tree)
+
+
+class CompiledAhead:
+    """Compiles the fingerprint pass of `abstract_tree` on a thread while the caller does something
+    else (a restore's read: TensorStore releases the interpreter), so the check after it only
+    dispatches. Not a daemon: `join` it before using the pass; a process exiting while XLA's
+    compiler runs on a daemon thread aborts. A failure here is left for the call itself to hit."""
+
+    def __init__(self, abstract_tree):
+        self._thread = threading.Thread(target=self._compile, args=(abstract_tree,), name="fingerprint-compile")
+        self._thread.start()
+
+    @staticmethod
+    def _compile(abstract_tree) -> None:
+        try:
+            _fingerprint_fn(getattr(jax.tree.leaves(abstract_tree)[0].sharding, "mesh", None)).lower(
+                abstract_tree).compile()
+        except Exception as err:  # noqa: BLE001  the pass itself raises it, with its own context
+            logging.debug("compiling the fingerprint pass ahead failed: %s", err)
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def to_ints(fingerprints) -> dict[str, int]:

@@ -252,7 +252,11 @@ class CheckpointService:
         # way on (local_tier.on_every_process), or one would wait forever in a collective the others left.
         agreed = (lambda part: local_tier.on_every_process(step, part)) if local else (lambda part: part())
         manifest = agreed(checked_manifest)
-        state = agreed(lambda: self._read_arrays(step, abstract_state))
+        ahead = fingerprint_lib.CompiledAhead(abstract_state)  # compiles while Orbax reads
+        try:
+            state = agreed(lambda: self._read_arrays(step, abstract_state))
+        finally:
+            ahead.join()  # no thread outlives the restore
         agreed(lambda: check_fingerprints(step, manifest, state))
         return Restored(state=state, manifest=manifest)
 
