@@ -85,7 +85,7 @@ def train(config, phases: dict[str, float]) -> None:
             max_to_keep=config.checkpoint.max_to_keep, enable_async_checkpointing=True))
     latest = manager.latest_step() if manager is not None else None
     begin = time.perf_counter()
-    loop.compile_program(program, fresh=latest is None)
+    loop.compile_program(program, fresh=latest is None, fingerprints=False)  # plain Orbax takes none
     loop.log_phase("compile", time.perf_counter() - begin)
     begin = time.perf_counter()
     if latest is None:

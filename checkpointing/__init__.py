@@ -12,6 +12,7 @@ _PUBLIC = {
     # the service
     "Checkpointer": "checkpointer", "SaveEvent": "saver", "RestoreResult": "restore",
     "restore_subtree": "partial", "Preempted": "saver", "step_marks": "marks", "mark_request": "marks",
+    "compile_fingerprint_pass": "fingerprint",
     # configuration
     "CheckpointConfig": "config", "ConfigError": "config", "AUTO": "config", "option": "config",
     "check_fields": "config", "format_mesh": "config", "parse_save_every_secs": "config",
@@ -30,7 +31,8 @@ _PUBLIC = {
     "WorkdirLeasedError": "errors", "LeaseLostError": "errors", "StepAlreadyCommittedError": "errors",
     "StorageUnavailableError": "errors", "InputStateError": "errors", "one_line_cause": "errors",
 }
-_RENAMED = {"mark_request": "request", "draw_plot": "draw", "plot_series": "series", "PLOT_FORMATS": "FORMATS"}
+_RENAMED = {"mark_request": "request", "compile_fingerprint_pass": "compile_pass",
+            "draw_plot": "draw", "plot_series": "series", "PLOT_FORMATS": "FORMATS"}
 
 __all__ = sorted(_PUBLIC)
 

@@ -98,6 +98,12 @@ def tree_fingerprints(tree):
     return _fingerprint_fn(getattr(jax.tree.leaves(tree)[0].sharding, "mesh", None))(tree)
 
 
+def compile_pass(abstract_tree) -> None:
+    """Compiles tree_fingerprints for trees like `abstract_tree` (ShapeDtypeStructs with shardings), so its
+    first call dispatches at once; with the persistent compilation cache on, later processes load it."""
+    _fingerprint_fn(getattr(jax.tree.leaves(abstract_tree)[0].sharding, "mesh", None)).lower(abstract_tree).compile()
+
+
 class CompiledAhead:
     """Compiles the fingerprint pass of `abstract_tree` on a thread while the caller does something
     else (a restore's read: TensorStore releases the interpreter), so the check after it only
@@ -111,8 +117,7 @@ class CompiledAhead:
     @staticmethod
     def _compile(abstract_tree) -> None:
         try:
-            _fingerprint_fn(getattr(jax.tree.leaves(abstract_tree)[0].sharding, "mesh", None)).lower(
-                abstract_tree).compile()
+            compile_pass(abstract_tree)
         except Exception as err:  # noqa: BLE001  the pass itself raises it, with its own context
             logging.debug("compiling the fingerprint pass ahead failed: %s", err)
 

@@ -1,22 +1,25 @@
-"""Save marks: a saved state's fingerprints and its probe's summaries, computed inside the caller's step.
+"""Save marks: a saved state's fingerprints and its probe's summaries, dispatched by the loop, not by save().
 
 A save needs each leaf's fingerprint (the manifest), and a probe each leaf's sum and norm a few steps
-later (checkpointing/probes.py). Dispatched as passes of their own, each is one more jit call at a save
-step; on CPU, while Orbax's background write holds the interpreter lock and the device threads, that
-call alone blocked save() for ~20 ms at 1 GiB (3.5x plain Orbax's save()). Computed by the step itself,
-under `lax.cond` on a flag the host passes in (one executable; the branch not taken costs nothing),
-they ride on a dispatch the loop makes anyway. The step that writes the saved state computes them from
-its output, so nothing waits and nothing reads a donated buffer:
+later (checkpointing/probes.py). Dispatched inside save(), right after Orbax's call, the fingerprint pass
+competes with Orbax's background write for the interpreter lock and the device threads: on CPU that one
+jit call blocked save() for ~20 ms at 1 GiB (3.5x plain Orbax's save()). Asked for a step ahead (the
+Checkpointer knows its step-cadence saves and its probe windows), the loop dispatches them right after
+the step that writes the state, before any write of this save has started, and save() dispatches none:
 
-    wanted = checkpointer.marks_wanted(step + 1)                    # host decision, the same everywhere
-    state, loss, marks = train_step(state, batch, wanted.flags)   # inside: step_marks(new, flags, shardings)
+    wanted = checkpointer.marks_wanted(step + 1)          # host decision, the same on every process
+    state, loss = train_step(state, batch)
+    marks = marks_fn(state, wanted.flags) if wanted.any else None   # jit of step_marks(s, flags, shardings)
     checkpointer.on_step(step + 1, state, loss, marks=marks)
 
 `flags` is a replicated bool[2] device array (fingerprints, summaries), made once per mesh; the marks
 are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both replicated (the
-caller's jit gives them out_shardings=P()). A step the Checkpointer did not ask for marks is saved as
-before: save() dispatches the fingerprint pass itself (a time-based or preemption save is not known a
-step ahead). The values are the same: the fingerprint is integer arithmetic (tests/test_marks.py).
+caller's jit gives them out_shardings=P()). One executable serves every request (`lax.cond` per flag).
+They may also be computed inside the step itself, but that changes how XLA compiles the update (the
+trainer's losses then differed from the plain step's in the last bits): ours keep them apart. A step the
+Checkpointer did not ask is saved as before: save() dispatches the fingerprint pass itself (a time-based
+or preemption save is not known a step ahead). The values are the same: the fingerprint is integer
+arithmetic (tests/test_marks.py).
 """
 
 import dataclasses

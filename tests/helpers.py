@@ -57,6 +57,25 @@ def run_module(module: str, *flags: str, device_count: int = 8, timeout: float =
 
 
 @contextlib.contextmanager
+def wait_stopped(pid: int, timeout: float = 30.0) -> None:
+    """After SIGSTOP: waits until every thread of `pid` is stopped (state T in /proc), so a snapshot of what
+    it writes taken next cannot race a write still in flight; TimeoutError if one is not."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+        if states and all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped after {timeout}s: thread states {states}")
+        time.sleep(0.01)
+
+
 def started_module(module: str, *flags: str, device_count: int = 8, log_path: str | None = None, **env):
     """Starts `python -m module` in its own process group; always killed (by PID) on exit."""
     log = open(log_path, "w") if log_path else subprocess.DEVNULL

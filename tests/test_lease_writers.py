@@ -31,6 +31,7 @@ def test_second_trainer_is_refused_and_the_first_trainers_steps_are_unchanged(wo
         # Stopped, the first trainer is still the live holder, and its workdir holds still: the
         # comparison below can then demand that nothing at all changed.
         os.kill(first.pid, signal.SIGSTOP)
+        helpers.wait_stopped(first.pid)  # the stop landed: no write of its is still in flight
         before, steps_before = helpers.disk_state(workdir), committed_files(workdir)
         second = helpers.run_module("trainer.train", *flags, timeout=240)
         # Checked while the first is still stopped: nothing at all may have changed.

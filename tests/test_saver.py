@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from checkpointing import CheckpointConfig, Checkpointer, Preempted
+from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import service as service_lib
 from checkpointing.report import recorded_losses
 from checkpointing.saver import Saver
 from checkpointing.schedule import SaveSchedule
@@ -155,6 +157,33 @@ def test_restore_precedence_latest_falls_back_past_a_corrupt_step(workdir):
         start = ckpt.restore_or_init(abstract(), lambda: state_at(0))
     assert (start.step, start.tier) == (10, "persistent") and start.manifest["step"] == 10
     np.testing.assert_array_equal(np.asarray(start.state["w"]), np.full((4,), 10.0))
+
+
+def test_a_restore_compiles_its_fingerprint_pass_while_orbax_reads_and_joins_it_before_the_check(workdir, monkeypatch):
+    train(workdir, 0, 10, save_every_steps=10)
+    made, checked = [], []
+
+    class Recording(fingerprint_lib.CompiledAhead):
+        def __init__(self, tree):
+            super().__init__(tree)
+            self.joined = False
+            made.append(self)
+
+        def join(self):
+            super().join()
+            self.joined = True
+
+    def check(step, manifest, state):
+        checked.append([ahead.joined for ahead in made])
+        return original_check(step, manifest, state)
+
+    original_check = service_lib.check_fingerprints
+    monkeypatch.setattr(fingerprint_lib, "CompiledAhead", Recording)
+    monkeypatch.setattr(service_lib, "check_fingerprints", check)
+    with checkpointer(workdir) as ckpt:
+        start = ckpt.restore_or_init(abstract(), lambda: state_at(0))
+    assert start.step == 10 and checked == [[True]], "the check ran before its compile thread was joined"
+    assert not made[0]._thread.is_alive()  # a process exiting inside XLA's compiler aborts: none outlives it
 
 
 def test_restore_precedence_none_and_step_refuse_by_name_and_change_nothing(workdir):

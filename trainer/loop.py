@@ -7,7 +7,8 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import Checkpointer, Preempted, committed_steps, format_mesh, layout_of, read_manifest
+from checkpointing import (Checkpointer, Preempted, committed_steps, compile_fingerprint_pass, format_mesh, layout_of,
+                           read_manifest)
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
@@ -50,7 +51,6 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             throughput.add_wait()
             wanted = marks_wanted(step + 1) if marks_wanted is not None else None
             state, loss, scalars, marks = program.step_fn.with_scalars(state, batch, wanted)
-            marks = marks if wanted is not None and wanted.any else None
             loss_log.add(step, loss, scalars)
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
                 loss.block_until_ready()
@@ -105,8 +105,8 @@ def log_phase(name: str, secs: float) -> None:
         metrics.record_phase(name, secs)
 
 
-def compile_program(program: Program, *, fresh: bool) -> None:
-    """Compiles the batch function, the step and (starting fresh) the init ahead of the loop.
+def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True) -> None:
+    """Compiles the batch function, the step and (starting fresh) the init and the fingerprint pass ahead.
 
     jit's own cache then holds these executables, so the loop's first calls compile nothing; with
     the persistent compilation cache on, a warm restart loads them from disk instead.
@@ -114,8 +114,16 @@ def compile_program(program: Program, *, fresh: bool) -> None:
     if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
         program.batch_fn.lower(0).compile()
     program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
+    if fingerprints:  # the save marks, dispatched after the step at the steps a save or a probe asks for
+        program.step_fn.lower_marks(program.abstract_state).compile()
     if fresh:
         program.init_fn.lower().compile()
+        # A step-cadence save takes its fingerprints from the step (checkpointing/marks.py); a preemption
+        # or time-based save, and every later restore, needs the pass: compiled now, cached for them.
+        # (A resume compiles it inside the restore, while Orbax reads.) fingerprints=False: a loop that
+        # takes none (the plain Orbax baseline of benchmarks/).
+        if fingerprints:
+            compile_fingerprint_pass(program.abstract_state)
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,

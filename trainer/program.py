@@ -68,14 +68,16 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # (so it can be donated and the next call hits the same executable), the batch is split
     # over 'data', and the scalar loss is replicated so any process can read it.
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
-    # The save marks (fingerprints, summaries) are asked by a replicated flag and come out replicated.
-    step = functools.partial(step_lib.marked_step, make_step(config, spec, module, codec), shardings)
+    step = make_step(config, spec, module, codec)
+    # The save marks (fingerprints, summaries) of a state: asked by a replicated flag, out replicated.
+    marks_fn = jax.jit(functools.partial(step_lib.marks_of, shardings), in_shardings=(shardings, replicated),
+                       out_shardings=(replicated, replicated))
     step_fn = step_lib.StepFn(jax.jit(
         step,
-        in_shardings=(shardings, batch_sharding, replicated),
-        out_shardings=(shardings, replicated, replicated, (replicated, replicated)),
+        in_shardings=(shardings, batch_sharding),
+        out_shardings=(shardings, replicated, replicated),
         donate_argnums=0,
-    ), mesh)
+    ), marks_fn, mesh)
     return Program(
         config=config,
         mesh=mesh,

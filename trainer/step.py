@@ -42,39 +42,47 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
     return new_state, value, scalars
 
 
-def marked_step(step: Callable, shardings, state: TrainState, batch, flags: jax.Array):
-    """`step` plus the marks a save or a probe of its output needs, when `flags` ask (checkpointing.step_marks:
-    one executable whatever is asked; the untaken branches cost nothing). `shardings`: the state's."""
-    new_state, loss, scalars = step(state, batch)
-    return new_state, loss, scalars, step_marks(new_state, flags, shardings)
+def marks_of(shardings, state: TrainState, flags: jax.Array):
+    """checkpointing.step_marks of `state` (on `shardings`), as asked by `flags`."""
+    return step_marks(state, flags, shardings)
 
 
 class StepFn:
     """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), with its scalars
     and marks for the trainer's loop (`with_scalars`), and its marks alone for the verifier's cheap proof
-    (`with_marks`): one executable serves all three, so every caller computes the same numbers."""
+    (`with_marks`): one step executable and one marks executable serve all three, so every caller
+    computes the same numbers.
 
-    def __init__(self, jitted, mesh):
+    The marks (checkpointing.step_marks) are their own executable, dispatched right after the step and
+    only at the steps asked: inside the step they would change how XLA compiles the update (its losses
+    then differed in the last bits from the step without them, and so did every cross-layout drift).
+    """
+
+    def __init__(self, jitted, marks_fn, mesh):
         self.jitted = jitted
+        self._marks_fn = marks_fn  # (state, flags) -> marks
         self._mesh = mesh
 
-    def no_marks(self):
-        return mark_request(self._mesh)
-
     def __call__(self, state, batch):
-        new_state, loss, _, _ = self.jitted(state, batch, self.no_marks().flags)
+        new_state, loss, _ = self.jitted(state, batch)
         return new_state, loss
 
     def with_scalars(self, state, batch, wanted=None):
-        """(state, loss, scalars, marks): marks per `wanted` (a Checkpointer.marks_wanted answer; None: none)."""
-        return self.jitted(state, batch, (wanted or self.no_marks()).flags)
+        """(state, loss, scalars, marks): marks per `wanted` (a Checkpointer.marks_wanted answer; None or
+        nothing asked: None, and nothing is dispatched for them)."""
+        new_state, loss, scalars = self.jitted(state, batch)
+        marks = self._marks_fn(new_state, wanted.flags) if wanted is not None and wanted.any else None
+        return new_state, loss, scalars, marks
 
     def with_marks(self, state, batch, wanted):
-        new_state, loss, _, marks = self.jitted(state, batch, wanted.flags)
+        new_state, loss, _, marks = self.with_scalars(state, batch, wanted)
         return new_state, loss, marks
 
     def lower(self, state, batch):
-        return self.jitted.lower(state, batch, self.no_marks().flags)
+        return self.jitted.lower(state, batch)
+
+    def lower_marks(self, state):
+        return self._marks_fn.lower(state, mark_request(self._mesh).flags)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
