@@ -56,7 +56,6 @@ def run_module(module: str, *flags: str, device_count: int = 8, timeout: float =
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-@contextlib.contextmanager
 def wait_stopped(pid: int, timeout: float = 30.0) -> None:
     """After SIGSTOP: waits until every thread of `pid` is stopped (state T in /proc), so a snapshot of what
     it writes taken next cannot race a write still in flight; TimeoutError if one is not."""
@@ -76,6 +75,7 @@ def wait_stopped(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+@contextlib.contextmanager
 def started_module(module: str, *flags: str, device_count: int = 8, log_path: str | None = None, **env):
     """Starts `python -m module` in its own process group; always killed (by PID) on exit."""
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
