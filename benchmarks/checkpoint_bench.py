@@ -9,9 +9,9 @@ sides of a ratio are measured seconds apart; the variants run in an order rotate
 
   saves     sync_save: the service with async_save=False, save + wait;
             async_marked_save: the service as the trainer runs it at a step-cadence save: the
-            fingerprints came from the step that wrote the state (checkpointing/marks.py; computed
-            before the clock starts, as the step is), so save() dispatches nothing: save() blocking,
-            save + wait until committed;
+            fingerprints came with the state (checkpointing/marks.py: the loop dispatches them right
+            after the step; computed before the clock starts, as the step is), so save() dispatches
+            nothing: save() blocking, save + wait until committed;
             async_save: the service dispatching the fingerprint pass itself (a time-based or
             preemption save, a loop that passes no marks): the same, and what save() spent its
             blocking time in (probed calls);
@@ -20,9 +20,9 @@ sides of a ratio are measured seconds apart; the variants run in an order rotate
             two items (the state and a JSON manifest without fingerprints)
   passes    fingerprint_pass: the pass as save() runs it (tree_fingerprints, then to_ints), and
             state_read: one read of the state (a jitted sum over every leaf) as its reference;
-            marked_step / plain_step: a step writing every leaf (x + 1) with its output's
-            fingerprints computed inside it, and the same executable not asked for them: what the
-            marks add to the trainer's step at a save step
+            marked_step / plain_step: a step writing every leaf (x + 1), then its output's marks
+            (fingerprints) as the trainer's loop dispatches them, and the step alone: what the
+            marks add to the trainer's loop at a save step
   restores  service.restore onto the saved layout, data=8 and model=8, and the time its
             fingerprint check took
   rss_*     peak host RSS above the live state (VmHWM, reset through /proc/self/clear_refs)
@@ -75,12 +75,14 @@ RATIOS = {
     "unmarked_blocking_over_plain_orbax_blocking": (
         "async save() blocking, save() dispatching the fingerprints / plain Orbax async save() blocking",
         ("async_save", "blocking"), ("orbax_save", "blocking"), None),
-    "marked_step_over_plain_step": ("a step computing its output's fingerprints / the same step not asked",
+    "marked_step_over_plain_step": ("a step and its output's marks / the step alone",
                                     ("marked_step", "secs"), ("plain_step", "secs"), None),
-    "async_blocking_over_sync_save": ("async save() blocking / sync save + wait",
-                                      ("async_save", "blocking"), ("sync_save", "total"), 0.05),
-    "service_save_over_plain_orbax": ("service save + wait / plain Orbax save + wait",
-                                      ("async_save", "total"), ("orbax_save", "total"), 1.10),
+    "async_blocking_over_sync_save": ("async save() blocking, fingerprints from the step / sync save + wait",
+                                      ("async_marked_save", "blocking"), ("sync_save", "total"), 0.05),
+    "service_save_over_plain_orbax": ("service save + wait, fingerprints from the step / plain Orbax save + wait",
+                                      ("async_marked_save", "total"), ("orbax_save", "total"), 1.10),
+    "unmarked_save_over_plain_orbax": ("service save + wait, save() dispatching the fingerprints / plain Orbax "
+                                       "save + wait", ("async_save", "total"), ("orbax_save", "total"), None),
     "blocking_over_plain_orbax_two_items_blocking": (
         "async save() blocking / plain Orbax blocking, saving the same two items", ("async_save", "blocking"),
         ("orbax_two_items_save", "blocking"), None),

@@ -17,7 +17,6 @@ import gc
 import json
 import os
 import shutil
-import threading
 import time
 
 import jax
@@ -106,22 +105,7 @@ def settle() -> None:
     gc.collect()
     os.sync()
     if _PIN_CALLER.value:
-        pin_caller()
-
-
-def pin_caller() -> None:
-    """--pin_caller: this (the calling) thread on the first allowed core, every other thread on the rest.
-    Threads started later inherit their creator's cores, so it runs again before each case."""
-    cores = sorted(os.sched_getaffinity(0) | set().union(*(os.sched_getaffinity(int(t))
-                                                          for t in os.listdir("/proc/self/task"))))
-    if len(cores) < 2:
-        raise ValueError(f"--pin_caller needs 2 cores, this process may use {cores}")
-    me = threading.get_native_id()
-    for tid in map(int, os.listdir("/proc/self/task")):
-        try:
-            os.sched_setaffinity(tid, cores[:1] if tid == me else cores[1:])
-        except (ProcessLookupError, PermissionError):
-            pass  # a thread that ended meanwhile
+        common.pin_caller()
 
 
 def require(*names: str, where: str) -> None:
@@ -144,7 +128,7 @@ def open_save(kind: str, directory: str, state):
         return manager, lambda: manager.save(1, state, losses={}, reason="interval")
     if kind == "async_marked":  # the fingerprints came with the state from the step that wrote it (untimed)
         manager = CheckpointService(directory, CheckpointConfig(async_save=True, max_to_keep=2), run=RUN)
-        fingerprints = jax.block_until_ready(marked_step(state, True)[1][0])
+        fingerprints = jax.block_until_ready(marks_of(state)[0])
         return manager, lambda: manager.save(1, state, losses={}, reason="interval", fingerprints=fingerprints)
     if kind == "orbax":
         manager = ocp.CheckpointManager(directory)
@@ -229,19 +213,25 @@ def passes() -> dict[str, list[float]]:
 
 
 @functools.cache
-def _marked_step():
-    """A step that writes every leaf (x + 1) and, when asked, its output's fingerprints (step_marks):
-    the trainer's step at a save step, less the model."""
-    def step(state, flags):
-        new = jax.tree.map(lambda x: x + jnp.ones((), x.dtype), state)
-        return new, marks_lib.step_marks(new, flags, shardings("same"))
+def _jitted() -> tuple:
+    """(a step writing every leaf (x + 1), the trainer's marks executable for this state's layout)."""
     replicated = shardings("same")["step"]
-    return jax.jit(step, out_shardings=(shardings("same"), (replicated, replicated)))
+    step = jax.jit(lambda state: jax.tree.map(lambda x: x + jnp.ones((), x.dtype), state),
+                   out_shardings=shardings("same"))
+    marks = jax.jit(lambda state, flags: marks_lib.step_marks(state, flags, shardings("same")),
+                    out_shardings=(replicated, replicated))
+    return step, marks
+
+
+def marks_of(state):
+    """The state's marks with its fingerprints, as the trainer's loop dispatches them (trainer/step.py)."""
+    return _jitted()[1](state, marks_lib.request(shardings("same")["step"].mesh, fingerprints=True).flags)
 
 
 def marked_step(state, fingerprints: bool):
-    mesh = shardings("same")["step"].mesh
-    return _marked_step()(state, marks_lib.request(mesh, fingerprints=fingerprints).flags)
+    """The step, then (asked) its output's marks: what the trainer's loop runs before a step-cadence save."""
+    new = _jitted()[0](state)
+    return (new, marks_of(new)) if fingerprints else new
 
 
 def timed_restores() -> dict[str, list[float]]:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,3 +125,18 @@ class CallProbe:
         if not self.calls:
             raise RuntimeError(f"{self.label} was not called by {where}: the benchmark row that times it "
                                "no longer measures that code path; update the benchmark")
+
+
+def pin_caller() -> None:
+    """--pin_caller: this (the calling) thread on the first allowed core, every other thread on the rest.
+    Threads started later inherit their creator's cores, so it runs again before each case."""
+    cores = sorted(os.sched_getaffinity(0) | set().union(*(os.sched_getaffinity(int(t))
+                                                          for t in os.listdir("/proc/self/task"))))
+    if len(cores) < 2:
+        raise ValueError(f"--pin_caller needs 2 cores, this process may use {cores}")
+    me = threading.get_native_id()
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, cores[:1] if tid == me else cores[1:])
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
