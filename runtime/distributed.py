@@ -19,6 +19,7 @@ JAX is imported inside the functions, so that importing this module does not imp
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -162,6 +163,8 @@ def initialize() -> None:
         _bound_start_up(f"process {PROCESS_ID.value} of {NUM_PROCESSES.value}: not every process connected to the "
                         f"coordinator at {COORDINATOR_ADDRESS.value} within {timeout_secs}s "
                         "(--initialization_timeout_secs)")
+        if PROCESS_ID.value > 0:
+            await_coordinator(COORDINATOR_ADDRESS.value)
         jax.distributed.initialize(coordinator_address=COORDINATOR_ADDRESS.value, num_processes=NUM_PROCESSES.value,
                                    process_id=PROCESS_ID.value, **common)
     elif (source := _scheduler_runs_many_processes()) is not None:
@@ -174,6 +177,25 @@ def initialize() -> None:
     _release_guard(single_process=False)
     logging.info("process %d of %d (from %s), %d local devices of %d", jax.process_index(), jax.process_count(),
                  source, jax.local_device_count(), jax.device_count())
+
+
+def await_coordinator(address: str, poll_secs: float = 0.01) -> None:
+    """Returns once the coordinator at host:port accepts a TCP connection (start-up's deadline bounds it).
+
+    A gRPC client that finds nobody listening waits out its first reconnect backoff, a second, before
+    trying again; processes start in no particular order, so a peer that raced process 0 lost about
+    a second of every relaunch. Knocking first costs one connection.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"--coordinator_address={address} must be host:port")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:port
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(poll_secs)
 
 
 def _bound_start_up(what: str) -> None:
