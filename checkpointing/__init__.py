@@ -12,7 +12,7 @@ _PUBLIC = {
     # the service
     "Checkpointer": "checkpointer", "SaveEvent": "saver", "RestoreResult": "restore",
     "restore_subtree": "partial", "Preempted": "saver", "step_marks": "marks", "mark_request": "marks",
-    "compile_fingerprint_pass": "fingerprint",
+    "marks_fn": "marks", "compile_marks": "marks", "compile_fingerprint_pass": "fingerprint",
     # configuration
     "CheckpointConfig": "config", "ConfigError": "config", "AUTO": "config", "option": "config",
     "check_fields": "config", "format_mesh": "config", "parse_save_every_secs": "config",

@@ -5,8 +5,8 @@ Config and tree are checked against the manifest before any array is read; finge
 
 from typing import TYPE_CHECKING
 
-from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
+from checkpointing import marks as marks_lib
 from checkpointing.errors import ConfigMismatchError, FingerprintMismatchError, TreeMismatchError
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def check_tree_matches(step: int, manifest: dict, abstract_state) -> None:
 
 def check_fingerprints(step: int, manifest: dict, state) -> None:
     """FingerprintMismatchError naming the first leaf whose fingerprint differs (exact)."""
-    actual = fingerprint_lib.fingerprint_tree(state)
+    actual = marks_lib.fingerprints_of(state)
     bad = [path for path, leaf in manifest["leaves"].items() if actual.get(path) != leaf["fingerprint"]]
     if bad:
         first = bad[0]

@@ -47,6 +47,8 @@ class Wanted:
 
 
 NOTHING = Wanted(False, False, None)  # what a step not asked for marks gives (host side only)
+# Layouts (tree, shardings, shapes) whose marks_fn compile_marks has compiled: their fingerprints come from it.
+_COMPILED: set[tuple] = set()
 
 
 @functools.lru_cache(maxsize=32)
@@ -149,6 +151,73 @@ def _local_parts(shard: jax.Array) -> jax.Array:
 # benchmark's mlp); XLA inlines the calls, so the values are the same.
 _local_lanes_jit = jax.jit(_local_lanes, static_argnums=(1, 2, 3))
 _local_parts_jit = jax.jit(_local_parts)
+
+
+def _marks_of(shardings, state, flags):
+    return step_marks(state, flags, shardings)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted(treedef, shardings: tuple):
+    tree = jax.tree.unflatten(treedef, shardings)
+    replicated = NamedSharding(shardings[0].mesh, P())
+    return jax.jit(functools.partial(_marks_of, tree), in_shardings=(tree, replicated),
+                   out_shardings=(replicated, replicated))
+
+
+def marks_fn(shardings):
+    """The jitted step_marks for states on `shardings` (a tree of NamedShardings on one mesh), (state, flags)
+    -> marks, dispatched after the step; one object per layout, so its callers share one executable."""
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _jitted(treedef, tuple(leaves))
+
+
+def compile_marks(abstract_state) -> None:
+    """Compiles marks_fn for states like `abstract_state` (ShapeDtypeStructs with NamedShardings). From then
+    on this process's restores and unasked saves of such states take their fingerprints from it, so no
+    fingerprint pass is compiled or kept beside it. Call on every process alike (both ways use collectives)."""
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+    mesh = jax.tree.leaves(shardings)[0].mesh
+    marks_fn(shardings).lower(abstract_state, request(mesh).flags).compile()
+    _COMPILED.add(_layout(abstract_state))
+
+
+def _layout(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(x.sharding for x in leaves), tuple((tuple(x.shape), x.dtype) for x in leaves)
+
+
+def compiled_for(tree) -> bool:
+    """Whether compile_marks compiled the marks of trees like `tree` (arrays or ShapeDtypeStructs)."""
+    try:
+        return _layout(tree) in _COMPILED
+    except (AttributeError, TypeError):  # a leaf without a sharding (a NumPy array): the pass
+        return False
+
+
+class Fingerprints:
+    """A state's fingerprints, dispatched now and read back by `ints()`: from its layout's compiled marks
+    when there are some (compile_marks), else from the fingerprint pass. The values are the same."""
+
+    def __init__(self, state):
+        self._marks = self._pass = None
+        if compiled_for(state):
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            mesh = jax.tree.leaves(shardings)[0].mesh
+            self._paths = leaf_paths(state)
+            self._marks = marks_fn(shardings)(state, request(mesh, fingerprints=True).flags)[0]
+        else:
+            self._pass = fingerprint_lib.tree_fingerprints(state)
+
+    def ints(self) -> dict[str, int]:
+        if self._marks is not None:
+            return fingerprint_ints(self._marks, self._paths)
+        return fingerprint_lib.to_ints(self._pass)
+
+
+def fingerprints_of(state) -> dict[str, int]:
+    """{key path: 64-bit fingerprint} of `state` (blocks until they are read back)."""
+    return Fingerprints(state).ints()
 
 
 def fingerprint_ints(fingerprints: jax.Array, paths: list[str]) -> dict[str, int]:

@@ -19,14 +19,14 @@ from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
 from orbax.checkpoint._src.path import async_path, atomicity
 
 from checkpointing import durable
-from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import marks as marks_lib
 from checkpointing import workdir as workdir_lib
 
 
 def dispatch_fingerprints(into: concurrent.futures.Future, state) -> None:
     """Dispatches the state's fingerprints into `into`, which the manifest waits on, or their error."""
     try:
-        into.set_result(fingerprint_lib.tree_fingerprints(state))
+        into.set_result(marks_lib.Fingerprints(state))
     except Exception as err:
         into.set_exception(err)  # the manifest fails with it in the background: the step never commits
         raise

@@ -139,7 +139,7 @@ class CheckpointService:
 
         def build_manifest() -> dict:
             ints = (marks_lib.fingerprint_ints(marked, list(leaves)) if marked is not None
-                    else fingerprint_lib.to_ints(fingerprints.result()))
+                    else fingerprints.result().ints())
             return manifest_lib.build(
                 step=step, leaves=leaves, fingerprints=ints, losses=losses,
                 config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
@@ -252,11 +252,14 @@ class CheckpointService:
         # way on (local_tier.on_every_process), or one would wait forever in a collective the others left.
         agreed = (lambda part: local_tier.on_every_process(step, part)) if local else (lambda part: part())
         manifest = agreed(checked_manifest)
-        ahead = fingerprint_lib.CompiledAhead(abstract_state)  # compiles while Orbax reads
+        # The check's executable: the layout's compiled marks (compile_marks), else the pass, compiled
+        # on a thread while Orbax reads.
+        ahead = None if marks_lib.compiled_for(abstract_state) else fingerprint_lib.CompiledAhead(abstract_state)
         try:
             state = agreed(lambda: self._read_arrays(step, abstract_state))
         finally:
-            ahead.join()  # no thread outlives the restore
+            if ahead is not None:
+                ahead.join()  # no thread outlives the restore
         agreed(lambda: check_fingerprints(step, manifest, state))
         return Restored(state=state, manifest=manifest)
 

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import CheckpointConfig, Checkpointer, mark_request, step_marks
+from checkpointing import (CheckpointConfig, Checkpointer, FingerprintMismatchError, compile_marks, mark_request,
+                           step_marks)
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import marks as marks_lib
 from checkpointing import probes
+from checkpointing.checks import check_fingerprints
 from checkpointing.workdir import committed_steps, read_manifest
 
 MESH = jax.make_mesh((4, 2), ("data", "model"))
@@ -121,3 +123,39 @@ def _replayed(step: int) -> dict:
     for _ in range(step):
         state = STEP(state, mark_request(MESH).flags)[0]
     return state
+
+
+def test_a_layout_whose_marks_are_compiled_saves_and_checks_restores_through_them_not_a_pass(workdir, counted,
+                                                                                           monkeypatch):
+    """compile_marks (what the trainer does before its restore): unasked saves (here every save: the loop
+    gives no marks) and the restore's check dispatch the marks executable; no pass runs or compiles."""
+    monkeypatch.setattr(marks_lib, "_COMPILED", set())  # this test's compile only
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_at(0))
+    threads = []
+    monkeypatch.setattr(fingerprint_lib.CompiledAhead, "__init__", lambda self, tree: threads.append(tree))
+    compile_marks(abstract)
+
+    def run(total_steps):
+        with Checkpointer(workdir, CheckpointConfig(max_to_keep=100, save_every_steps=5), config={"lr": 0.1},
+                          fixed=["lr"], mesh=MESH, total_steps=total_steps, program="tests.test_marks:none",
+                          watchdog_secs=600) as ckpt:
+            start = ckpt.restore_or_init(abstract, lambda: state_at(0))
+            assert marks_lib.compiled_for(start.state), "the restored state's layout is not the compiled one"
+            state = start.state
+            for step in range(start.step, total_steps):
+                state, loss, _ = STEP(state, mark_request(MESH).flags)
+                ckpt.on_step(step + 1, state, loss)
+        return start
+
+    run(10)
+    assert run(15).step == 10  # resumed: its check passed through the marks
+    assert counted["calls"] == 0 and threads == [], "a fingerprint pass was dispatched or compiled"
+    assert committed_steps(workdir) == [5, 10, 15]
+    for step in committed_steps(workdir):
+        leaves = read_manifest(workdir, step)["leaves"]
+        assert {path: leaf["fingerprint"] for path, leaf in leaves.items()} == \
+            fingerprint_lib.fingerprint_tree(_replayed(step))
+    manifest = read_manifest(workdir, 15)
+    manifest["leaves"]["['cols']"]["fingerprint"] ^= 1
+    with pytest.raises(FingerprintMismatchError, match=r"^step 15: leaf \['cols'\] fingerprint"):
+        check_fingerprints(15, manifest, _replayed(15))

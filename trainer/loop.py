@@ -7,7 +7,7 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import (Checkpointer, Preempted, committed_steps, compile_fingerprint_pass, format_mesh, layout_of,
+from checkpointing import (Checkpointer, Preempted, committed_steps, format_mesh, layout_of,
                            read_manifest)
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
@@ -114,16 +114,14 @@ def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True)
     if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
         program.batch_fn.lower(0).compile()
     program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
-    if fingerprints:  # the save marks, dispatched after the step at the steps a save or a probe asks for
-        program.step_fn.lower_marks(program.abstract_state).compile()
+    if fingerprints:
+        # The save marks, dispatched after the step at the steps a save or a probe asks for; a preemption
+        # or time-based save and the restore's check dispatch the same executable (checkpointing.
+        # compile_marks), so no fingerprint pass is compiled beside it. fingerprints=False: a loop that
+        # takes none (the plain Orbax baseline of benchmarks/).
+        program.step_fn.compile_marks(program.abstract_state)
     if fresh:
         program.init_fn.lower().compile()
-        # A step-cadence save takes its fingerprints from the step (checkpointing/marks.py); a preemption
-        # or time-based save, and every later restore, needs the pass: compiled now, cached for them.
-        # (A resume compiles it inside the restore, while Orbax reads.) fingerprints=False: a loop that
-        # takes none (the plain Orbax baseline of benchmarks/).
-        if fingerprints:
-            compile_fingerprint_pass(program.abstract_state)
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,

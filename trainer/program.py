@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from checkpointing import marks_fn as save_marks_fn
 from trainer import data, models, state as state_lib, step as step_lib
 from trainer.config import MESH_AXES, ConfigError, TrainConfig, validate
 
@@ -70,14 +71,13 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
     step = make_step(config, spec, module, codec)
     # The save marks (fingerprints, summaries) of a state: asked by a replicated flag, out replicated.
-    marks_fn = jax.jit(functools.partial(step_lib.marks_of, shardings), in_shardings=(shardings, replicated),
-                       out_shardings=(replicated, replicated))
+    marks_fn = save_marks_fn(shardings)
     step_fn = step_lib.StepFn(jax.jit(
         step,
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, replicated, replicated),
         donate_argnums=0,
-    ), marks_fn, mesh)
+    ), marks_fn)
     return Program(
         config=config,
         mesh=mesh,

@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 import optax
 
-from checkpointing import mark_request, step_marks
+from checkpointing import compile_marks
 from trainer.state import KeyCodec, TrainState
 
 
@@ -42,11 +42,6 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
     return new_state, value, scalars
 
 
-def marks_of(shardings, state: TrainState, flags: jax.Array):
-    """checkpointing.step_marks of `state` (on `shardings`), as asked by `flags`."""
-    return step_marks(state, flags, shardings)
-
-
 class StepFn:
     """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), with its scalars
     and marks for the trainer's loop (`with_scalars`), and its marks alone for the verifier's cheap proof
@@ -58,10 +53,9 @@ class StepFn:
     then differed in the last bits from the step without them, and so did every cross-layout drift).
     """
 
-    def __init__(self, jitted, marks_fn, mesh):
+    def __init__(self, jitted, marks_fn):
         self.jitted = jitted
-        self._marks_fn = marks_fn  # (state, flags) -> marks
-        self._mesh = mesh
+        self._marks_fn = marks_fn  # checkpointing.marks_fn of the state's shardings: (state, flags) -> marks
 
     def __call__(self, state, batch):
         new_state, loss, _ = self.jitted(state, batch)
@@ -81,8 +75,10 @@ class StepFn:
     def lower(self, state, batch):
         return self.jitted.lower(state, batch)
 
-    def lower_marks(self, state):
-        return self._marks_fn.lower(state, mark_request(self._mesh).flags)
+    @staticmethod
+    def compile_marks(abstract_state) -> None:
+        """Compiles the marks executable; the Checkpointer's restores and unasked saves then use it too."""
+        compile_marks(abstract_state)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
