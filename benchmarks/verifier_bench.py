@@ -65,6 +65,9 @@ _BUDGETS = flags.DEFINE_list("verify_budgets", ["0", "1"], "Verifier --verify_bu
                               "cheap proof at every save (the full one at the final step only), 1 the full proof "
                               "of every interval (and the cheap one).")
 _REPLAY = flags.DEFINE_integer("replay_steps", 100, "The verifier's --replay_steps in every variant.", lower_bound=0)
+_VERIFIER_CORES = flags.DEFINE_list("verifier_cores", [], "CPUs for the verifier and the plain restore, the trainer "
+                                    "taking the others (1 on 2 cores): what sharing the cores costs. Default: "
+                                    "every process may run on every core.")
 _RESTORE_REPEATS = flags.DEFINE_integer("restore_repeats", 3, "Plain restores of each measured step.")
 _RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 300, "Kill a run's processes after this long.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default /tmp), deleted at the end.")
@@ -87,6 +90,15 @@ def env(devices: int) -> dict:
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     flags_ = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
     return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path, XLA_FLAGS=flags_)
+
+
+def pinned(name: str):
+    """A Popen preexec_fn that pins the process to its share of --verifier_cores, or None."""
+    if not _VERIFIER_CORES.value:
+        return None
+    verifier = {int(core) for core in _VERIFIER_CORES.value}
+    cores = verifier if name in ("verify", "restore") else set(range(os.cpu_count())) - verifier
+    return lambda: os.sched_setaffinity(0, cores)
 
 
 def state_mib(h: int) -> float:
@@ -135,7 +147,7 @@ def run_once(run_dir: str, budget: str | None) -> dict:
                 [("train", train, 8)]:
             with open(os.path.join(run_dir, f"{name}.log"), "w") as log:
                 procs[name] = subprocess.Popen(command, cwd=ROOT, env=env(devices), stdout=log,
-                                               stderr=subprocess.STDOUT)
+                                               stderr=subprocess.STDOUT, preexec_fn=pinned(name))
         deadline = time.perf_counter() + _RUN_TIMEOUT.value
         while any(p.poll() is None for p in procs.values()) and procs["train"].poll() in (None, 0):
             scan(*dirs, commits, verdicts, complete)
@@ -194,7 +206,7 @@ def restore_child(workdir: str) -> None:
 def plain_restores(workdir: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.verifier_bench", f"--restore_child={workdir}",
                            f"--restore_repeats={_RESTORE_REPEATS.value}", f"--verifier_mesh={_VERIFIER_MESH.value}"],
-                          cwd=ROOT, env=env(verifier_devices()), capture_output=True,
+                          cwd=ROOT, env=env(verifier_devices()), capture_output=True, preexec_fn=pinned("restore"),
                           text=True, timeout=_RUN_TIMEOUT.value)  # run() kills the child by PID on a timeout
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESTORE ")]
     if proc.returncode != 0 or not lines:
@@ -216,12 +228,15 @@ def report(results: dict, restore: dict, other: tuple) -> str:
         return [x for run in results[variant] for x in run[key]]
 
     plain = ("restore", restore["times"])
+    cores = (f"The verifier and the plain restore on CPU {','.join(_VERIFIER_CORES.value)}, the trainer on the others. "
+             if _VERIFIER_CORES.value else "")
     lines = [f"Verifier benchmark: mlp state of {restore['bytes'] / 2**20:.1f} MiB (params + 2 Adam moments), "
              f"trainer on data=4,model=2 (8 CPU devices), verifier on {_VERIFIER_MESH.value} "
              f"({verifier_devices()} CPU devices of its own, --replay_steps={_REPLAY.value}); {_STEPS.value} steps "
              f"saving every {_SAVE_EVERY.value}; medians over {_ROUNDS.value} rounds (variants rotated), raw values in "
-             f"brackets. Latencies leave out each run's first step. Other processes used {other[0]:.0f} CPU-s in the "
-             f"{other[1]:.0f}s it ran ({other[0] / other[1] / os.cpu_count():.1%} of {os.cpu_count()} cores).", "",
+             f"brackets. Latencies leave out each run's first step. {cores}Other processes used {other[0]:.0f} CPU-s "
+             f"in the {other[1]:.0f}s it ran ({other[0] / other[1] / os.cpu_count():.1%} of {os.cpu_count()} cores).",
+             "",
              "| ratio | value | target | met | numerator | denominator |", "|---|---|---|---|---|---|"]
     budgets = _BUDGETS.value
     lines += [row(f"commit -> first verdict (verify_budget={b}) / plain restore",
