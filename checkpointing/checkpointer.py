@@ -205,9 +205,10 @@ class Checkpointer:
             self._lease.release()
             self._lease = None
 
-    def _protected(self) -> list[int]:
-        """Retention never deletes the newest step the verifier reproduced: the next proof starts there."""
-        newest = verdicts.newest_proved_step(self.workdir, workdir_lib.committed_steps(self.workdir))
+    def _protected(self, steps: list[int]) -> list[int]:
+        """Retention never deletes the newest of `steps` (Orbax's) that the verifier reproduced: the next
+        proof starts there."""
+        newest = verdicts.newest_proved_step(self.workdir, steps)
         return [] if newest is None else [newest]
 
     def _init_from(self) -> dict | None:

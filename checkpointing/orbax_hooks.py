@@ -64,13 +64,16 @@ class ManifestRestore(ocp.args.CheckpointArgs):
 
 
 class ProtectedSteps(checkpoint_managers.PreservationPolicy):
-    """Preserves the steps a callback names (e.g. the newest verified step) at deletion time."""
+    """Preserves the steps a callback names (e.g. the newest verified step) at deletion time.
 
-    def __init__(self, protected: Callable[[], Iterable[int]]):
+    The callback gets the steps Orbax holds (its own list, kept as it saves and deletes): asked inside
+    every save() while the caller blocks, it must not list the directory."""
+
+    def __init__(self, protected: Callable[[list[int]], Iterable[int]]):
         self._protected = protected
 
     def should_preserve(self, checkpoints, *, context) -> Sequence[bool]:
-        keep = set(self._protected())
+        keep = set(self._protected([info.step for info in checkpoints]))
         return [info.step in keep for info in checkpoints]
 
 

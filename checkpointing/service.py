@@ -52,7 +52,7 @@ class CheckpointService:
 
     def __init__(self, directory: str, config: CheckpointConfig = _DEFAULT_CONFIG, *,
                  run: RunMetadata | None = None, read_only: bool = False,
-                 protected_steps: Callable[[], Iterable[int]] = frozenset,
+                 protected_steps: Callable[[list[int]], Iterable[int]] = lambda steps: (),
                  preemption_decision: Callable[[int], bool] = lambda step: False,
                  writer_check: Callable[[int], None] = lambda step: None, tier: str = manifest_lib.PERSISTENT,
                  data_iterator=None):
@@ -120,7 +120,7 @@ class CheckpointService:
         # usual case; on gs:// an uncommitted leftover of a killed save may still be replaced.
         workdir_lib.fresh_path(self.directory)
         path = workdir_lib.step_dir(self.directory, step)
-        if path.exists() and step in self.committed_steps():
+        if path.exists() and workdir_lib.is_committed(self.directory, step):
             raise StepAlreadyCommittedError(
                 f"step {step} is already committed at {path}; a save never overwrites a committed step "
                 "(is another writer using this workdir?)", step=step, path=str(path))
@@ -173,7 +173,7 @@ class CheckpointService:
             self._raise_failed(err)
         if self._pending_step is not None and not self._manager.is_saving_in_progress():
             step, self._pending_step = self._pending_step, None
-            if step not in self.committed_steps():
+            if not workdir_lib.is_committed(self.directory, step):
                 self._raise_failed(None, step)
 
     def saving(self) -> bool:

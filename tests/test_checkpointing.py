@@ -167,6 +167,8 @@ def test_a_leftover_temporary_directory_is_never_listed_and_is_cleaned_at_start_
     leftover = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
     shutil.copytree(helpers.checkpoint_dir(workdir, "20"), leftover)  # a full-looking step, never renamed
     assert committed_steps(workdir) == [10, 20]
+    # The one-step answer a save's commit check uses agrees with the listing, step by step.
+    assert [step for step in (10, 20, 30, 40) if workdir_lib.is_committed(workdir, step)] == [10, 20]
     mesh = build_mesh(config)
     with loop.open_checkpointer(config, mesh) as checkpointer:  # its own watchdog, stopped at close
         program = build_program(config, mesh)
