@@ -94,6 +94,8 @@ class Inputs:
 
 def open_inputs(spec: ModelSpec, config: TrainConfig, mesh: Mesh) -> Inputs:
     """Opens the record files the config names; a DataError (one line, exit 2) names a bad flag or file."""
+    if config.data == SYNTHETIC and not (config.eval_data or config.eval_every_steps):
+        return Inputs()  # nothing to open, nor to import: Grain's import costs a restart 0.1-0.2 s
     from trainer import input as data_input
 
     if config.data != SYNTHETIC and not config.data.startswith(data_input.records.PREFIX):
@@ -133,12 +135,12 @@ def abstract_batch(batch_fn, sharding: NamedSharding):
 
 def check_recorded(recorded: dict, inputs: Inputs, where: str) -> None:
     """Refuses (DatasetChangedError naming the field or file) data other than a manifest's config recorded."""
-    from trainer.input import DatasetChangedError, check_same
-
     before = recorded.get(IDENTITY_KEY)
     now = inputs.batches.dataset.identity() if inputs.batches is not None else None
     if before is None and now is None:
         return
+    from trainer.input import DatasetChangedError, check_same
+
     if before is None or now is None:
         raise DatasetChangedError(f"data ({where})", "records" if before else SYNTHETIC,
                                   "records" if now else SYNTHETIC)
@@ -148,12 +150,12 @@ def check_recorded(recorded: dict, inputs: Inputs, where: str) -> None:
 def check_recorded_eval(recorded: dict, inputs: Inputs, eval_batches: int, where: str) -> None:
     """Refuses (DatasetChangedError naming --eval_data or --eval_batches and what differs) an eval split
     other than the one a manifest's config recorded: the eval losses of one run stay comparable."""
-    from trainer.input import DatasetChangedError, check_same
-
     before = recorded.get(EVAL_IDENTITY_KEY)
     now = inputs.eval_batches.dataset.identity() if inputs.eval_batches is not None else None
     if before is None and now is None:
         return
+    from trainer.input import DatasetChangedError, check_same
+
     if before is None or now is None:
         raise DatasetChangedError(f"--eval_data ({where})", "records" if before else "none",
                                   "records" if now else "none")
