@@ -75,7 +75,7 @@ class _Saver:
         return event
 
 
-def train(config, phases: dict[str, float]) -> None:
+def train(config, phases: dict[str, float], opened_at: float) -> None:
     for name, secs in phases.items():
         loop.log_phase(name, secs)
     program = build_program(config, build_mesh(config))
@@ -84,6 +84,7 @@ def train(config, phases: dict[str, float]) -> None:
         manager = _Manager(workdir_lib.checkpoints_dir(config.workdir), options=ocp.CheckpointManagerOptions(
             max_to_keep=config.checkpoint.max_to_keep, enable_async_checkpointing=True))
     latest = manager.latest_step() if manager is not None else None
+    loop.log_phase("open", time.perf_counter() - opened_at)  # as the trainer's: to the compile
     begin = time.perf_counter()
     loop.compile_program(program, fresh=latest is None, fingerprints=False)  # plain Orbax takes none
     loop.log_phase("compile", time.perf_counter() - begin)
@@ -116,10 +117,11 @@ def main(argv: list[str]) -> None:
     begin = time.perf_counter()
     distributed.initialize()
     phases["distributed_start"] = time.perf_counter() - begin
+    opened_at = time.perf_counter()
     config = validate(trainer_flags.config_from_flags(), jax.device_count())
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
-    train(config, phases)
+    train(config, phases, opened_at)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from tests import helpers
 
 pytestmark = pytest.mark.slow
 
-PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
+PHASES = ("process_start", "distributed_start", "open", "compile", "restore", "first_step")
 MLP = ("--mesh=data=4,model=2", "--steps=12", "--save_every_steps=6")
 
 

@@ -165,15 +165,18 @@ def resumed_code(config: TrainConfig) -> dict:
     return code_lib.check_resume(config, previous, current)
 
 
-def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -> TrainResult:
+def train(config: TrainConfig, startup_phases: dict[str, float] | None = None,
+          opened_at: float | None = None) -> TrainResult:
     """Trains up to `config.steps`, resuming per --resume_from and saving per the config.
 
     `startup_phases` are the entry point's own phases (process start, distributed start-up), logged
-    with the loop's (compile, restore, first step) as `phase <name> <secs>s` lines.
+    with the loop's (open: from `opened_at`, a perf_counter, or this call, to the compile; compile,
+    restore, first step) as `phase <name> <secs>s` lines.
 
     Opening the Checkpointer checks the resume request (read only) and takes the workdir's lease before
     anything is written (a refused trainer leaves the workdir as it was); it is released on every exit.
     """
+    opened_at = time.perf_counter() if opened_at is None else opened_at
     mesh = build_mesh(config)
     # The record files are opened and checked first: a bad glob or file, or other files than the
     # checkpoints were trained on, is refused before the Checkpointer takes the lease (nothing written).
@@ -190,7 +193,7 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -
             changed = checkpointer.run.config[CODE_FIELD].get("changed_from")
             if changed and jax.process_index() == 0:  # recorded in every manifest of this attempt
                 logging.warning("code changed since the newest checkpoint: %s", "; ".join(changed))
-            return _train(config, mesh, checkpointer, watchdog, inputs)
+            return _train(config, mesh, checkpointer, watchdog, inputs, opened_at)
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -198,11 +201,12 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None) -
 
 
 def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watchdog,
-           inputs: data.Inputs | None = None) -> TrainResult:
+           inputs: data.Inputs | None, opened_at: float) -> TrainResult:
     program = build_program(config, mesh, inputs)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
+    log_phase("open", time.perf_counter() - opened_at)
     begin = time.perf_counter()
     compile_program(program, fresh=not checkpointer.resume_candidates)
     log_phase("compile", time.perf_counter() - begin)

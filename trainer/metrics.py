@@ -22,7 +22,7 @@ from etils import epath
 
 from checkpointing import committed_steps, newest_proved_step, one_line_cause, read_manifest, tensorboard_dir
 
-PHASES = ("process_start", "distributed_start", "compile", "restore", "first_step")
+PHASES = ("process_start", "distributed_start", "open", "compile", "restore", "first_step")
 PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")
 UPLOAD_EVERY_SECS = 60.0
 # The committed/verified steps are re-read at most this often (on gs:// each read is a request).

@@ -43,12 +43,13 @@ def main(argv: list[str]) -> None:
     begin = time.perf_counter()
     distributed.initialize()
     phases["distributed_start"] = time.perf_counter() - begin
+    opened_at = time.perf_counter()  # the `open` phase: the checks, the workdir, the lease, the program
     config = validate(trainer_flags.config_from_flags(), jax.device_count())
     check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// endpoint is one line
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     try:
-        loop.train(config, startup_phases=phases)
+        loop.train(config, startup_phases=phases, opened_at=opened_at)
     except OSError as err:  # the disk itself, outside a save (full, read-only, gone): name the workdir
         err.filename = err.filename or config.workdir
         raise
