@@ -155,3 +155,25 @@ def test_inspect_plot_bad_input_is_one_line_and_writes_nothing(resumed_run, tmp_
         result = helpers.run_module("trainer.inspect", f"--workdir={resumed_run}", *flags)
         helpers.assert_refused(result, before, expected)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_under_tensorboards_own_thread_is_the_one_warning_not_a_traceback(tmp_path, caplog, capsys):
+    """tensorboardX writes queued events from a thread of its own: a full disk there (seen in the
+    disk-full fault test) must read as the metrics' one warning line, and turn writing off."""
+    import errno
+    writer = metrics.EventWriter(str(tmp_path))
+    writer.scalars(0, {"loss": 1.0})
+    worker = next(iter(writer._writer.all_writers.values())).event_writer._worker
+
+    def full(event):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    worker._record_writer.write_event = full
+    writer.scalars(1, {"loss": 0.5})
+    worker.join(10)
+    assert not worker.is_alive(), "the writer thread did not hit the full disk"
+    assert not writer.enabled
+    warnings = [r.getMessage() for r in caplog.records if "TensorBoard events" in r.getMessage()]
+    assert len(warnings) == 1 and "no space left on device" in warnings[0], warnings
+    assert "Traceback" not in capsys.readouterr().err
+    writer.close()

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 
 import psutil
@@ -82,16 +83,24 @@ class EventWriter:
 
     def close(self) -> None:
         """Drains the writer's queue (its flush does not) and, on gs://, uploads the whole file."""
-        writer, self._writer = self._writer, None
+        writer = self._writer
         if self._broken or writer is None:
+            self._forget()
             return
         try:
-            writer.close()
+            writer.close()  # its thread drains the queue: a failure there is owns_failed_thread's
             if self._remote:
                 self._upload(writer.logdir)
                 shutil.rmtree(writer.logdir, ignore_errors=True)  # the staging copy
         except Exception as err:
             self._fail("close", err)
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        self._writer = None
+        if self in _OPEN_WRITERS:
+            _OPEN_WRITERS.remove(self)
 
     def _open(self):
         if self._writer is None:
@@ -99,7 +108,19 @@ class EventWriter:
 
             logdir = tempfile.mkdtemp(prefix="tensorboard-") if self._remote else self._target
             self._writer = SummaryWriter(logdir=logdir, flush_secs=3600)  # flushed at the log cadence
+            _OPEN_WRITERS.append(self)
         return self._writer
+
+    def owns_failed_thread(self, args) -> bool:
+        """If `args` (threading.excepthook's) is one of this writer's tensorboardX threads failing (a full
+        disk while it writes queued events), the warning and turning writing off, instead of a traceback."""
+        threads = {file_writer.event_writer._worker
+                   for file_writer in (getattr(self._writer, "all_writers", None) or {}).values()}
+        if args.thread not in threads or not isinstance(args.exc_value, OSError):
+            return False
+        if not self._broken:
+            self._fail("write", args.exc_value)
+        return True
 
     def _upload(self, local_dir: str) -> None:
         for name in os.listdir(local_dir):  # one events file per writer; copied whole, replacing the last copy
@@ -115,6 +136,18 @@ class EventWriter:
             file_writer.event_writer._closed = True
         logging.warning("metrics: cannot %s TensorBoard events under %s (%s); training goes on without them",
                         what, self._target, one_line_cause(err))
+
+
+_OPEN_WRITERS: list[EventWriter] = []
+_previous_excepthook = threading.excepthook
+
+
+def _excepthook(args) -> None:
+    if not any(writer.owns_failed_thread(args) for writer in list(_OPEN_WRITERS)):
+        _previous_excepthook(args)
+
+
+threading.excepthook = _excepthook  # tensorboardX writes from a thread of its own
 
 
 class RunStatus:
