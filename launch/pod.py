@@ -69,7 +69,7 @@ class Pod:
 
 def start_pod(module: str, flags_: list[str], num_processes: int, devices_per_process: int,
               output=sys.stdout) -> tuple[Pod, list[threading.Thread]]:
-    """Starts the processes and one thread per process copying its output with a '[i] ' prefix."""
+    """Starts the processes and one thread per stream (stdout, stderr) copying it with a '[i] ' prefix."""
     address = f"127.0.0.1:{free_port()}"
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -81,11 +81,14 @@ def start_pod(module: str, flags_: list[str], num_processes: int, devices_per_pr
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *flags_, f"--coordinator_address={address}",
              f"--num_processes={num_processes}", f"--process_id={index}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         processes.append(proc)
-        pump = threading.Thread(target=_copy_lines, args=(proc.stdout, f"[{index}] ", output, lock), daemon=True)
-        pump.start()
-        pumps.append(pump)
+        # A pipe and a pump per stream: XLA's C++ (gloo's "connected to 1 peer ranks") writes stdout a
+        # piece at a time, and one shared pipe spliced the process's error line into the middle of it.
+        for stream in (proc.stdout, proc.stderr):
+            pump = threading.Thread(target=_copy_lines, args=(stream, f"[{index}] ", output, lock), daemon=True)
+            pump.start()
+            pumps.append(pump)
     return Pod(processes), pumps
 
 
