@@ -142,9 +142,7 @@ def run_pod(module: str, flags_: list[str], num_processes: int, devices_per_proc
     try:
         code = wait_pod(pod, peer_exit_grace_secs)
     finally:
-        for index, proc in enumerate(pod.processes):
-            if proc.poll() is None:
-                pod.kill(index)
+        pod.signal_all(signal.SIGKILL)  # stragglers wait_pod left (an exception, a signal)
     for pump in pumps:
         pump.join(timeout=5)
     if pod.lost():

@@ -2,6 +2,7 @@
 never lands inside a line the runtime's C++ was still writing."""
 
 import io
+import signal
 
 import pytest
 
@@ -16,9 +17,7 @@ def test_a_stderr_line_written_inside_a_stdout_line_stays_a_line_of_its_own():
     try:
         assert pod.processes[0].wait(timeout=60) == 0
     finally:
-        for index, proc in enumerate(pod.processes):
-            if proc.poll() is None:
-                pod.kill(index)
+        pod.signal_all(signal.SIGKILL)  # any still running
     for pump in pumps:
         pump.join(timeout=10)
     assert sorted(output.getvalue().splitlines()) == [
