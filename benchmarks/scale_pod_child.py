@@ -10,8 +10,9 @@ device of the pod, so each process holds 1/N of it. Around each phase every proc
 barrier of its own (outside the counts); process 0 reads the GCS-protocol server's request log
 there (tests/gcs_emulator.py). Each process counts the multi-host agreements it took part in, by
 wrapping (not replacing) the calls that make them: JAX's device collectives (multihost_utils:
-broadcast, allgather, barrier), the per-step preemption sync point, and Orbax's coordination-
-service barriers. Every process writes DIR/<process>.json; process 0 adds the request log of each
+broadcast, allgather, barrier), the service's own agreements through the runtime's key-value store
+(runtime/collective.py: process 0's answers and barriers), the per-step preemption sync point, and
+Orbax's coordination-service barriers. Every process writes DIR/<process>.json; process 0 adds the request log of each
 phase.
 """
 
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from orbax.checkpoint._src.multihost import multihost as orbax_multihost
 
 from checkpointing import CheckpointConfig, Checkpointer
-from runtime import distributed, entry
+from runtime import collective, distributed, entry
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The run's gs:// workdir.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Each process writes <process>.json here.", required=True)
@@ -64,6 +65,8 @@ def count_agreements() -> None:
     _counting(multihost_utils, "process_allgather", "device allgather")
     _counting(multihost_utils, "sync_global_devices", "device barrier")
     _counting(multihost_utils, "reached_preemption_sync_point", "preemption sync point")
+    _counting(collective, "_primary_text", "store broadcast")  # what broadcast_ints and broadcast_rows send
+    _counting(collective, "_store_barrier", "store barrier")
     _counting(orbax_multihost, "get_barrier_sync_fn", "coordination-service barrier", returns_fn=True)
 
 

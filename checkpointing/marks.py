@@ -55,7 +55,12 @@ _COMPILED: set[tuple] = set()
 def request(mesh: Mesh | None, fingerprints: bool = False, summaries: bool = False) -> Wanted:
     """The (cached) request for one mesh: its flags are placed once, so a step sends nothing per call."""
     value = np.array([fingerprints, summaries])
-    flags = jax.device_put(value, NamedSharding(mesh, P()) if mesh is not None else None)
+    if mesh is None:
+        return Wanted(fingerprints, summaries, jax.device_put(value))
+    # From each process's own copy: device_put of a host value onto a multi-process mesh first checks that
+    # every process passed the same one, an all-gather (and its compile) per call; these are the same by
+    # construction (every process asks the same steps, Checkpointer.marks_wanted).
+    flags = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P()), lambda index: value[index])
     return Wanted(fingerprints, summaries, flags)
 
 

@@ -3,13 +3,28 @@
 Every process of a pod must take the same branch at the same step: a host that saves, restores or
 replays alone waits forever in the next collective. Each helper is a collective itself, so every
 process calls it at the same point, and on a single process it returns its input without one.
+
+Process 0's answers (broadcasts) and barriers go through the distributed runtime's key-value store,
+the channel JAX's own preemption sync point uses: process 0 sets a key, every process reads it, and a
+barrier keeps process 0 from going on (or exiting) before all have read it. That is a round trip to the
+coordinator, about 1 ms. A device collective (multihost_utils.broadcast_one_to_all) costs a host-to-device
+copy, a jitted all-reduce and its compilation per shape in every new process: 40-100 ms for the first
+agreement of a restart and 1-5 ms for each after it on a 2-process CPU pod. Gathers stay device collectives
+(every process's value: one all-gather, where the store would take a request per process and key).
 """
 
+import itertools
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
 T = TypeVar("T")
+
+# Agreements made by this process so far: every process makes them in one order, so the n-th names
+# the same key everywhere.
+_agreements = itertools.count()
+# A peer that never arrives is the runtime's to report (its heartbeats); this only bounds the wait.
+_WAIT_MS = 24 * 3600 * 1000
 
 
 def process_count() -> int:
@@ -25,14 +40,36 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def _client():
+    from jax._src import distributed  # the runtime's client: what jax.distributed.initialize started
+
+    return distributed.global_state.client
+
+
+def _primary_text(text: str) -> str:
+    """Process 0's `text` on every process: one key of the runtime's store, read by all, then removed."""
+    client = _client()
+    key = f"checkpointing/agreement/{next(_agreements)}"
+    if is_primary():
+        client.key_value_set(key, text)
+    shared = client.blocking_key_value_get(key, _WAIT_MS)
+    client.wait_at_barrier(f"{key}/read", _WAIT_MS)  # every process has it: process 0 may go on, or exit
+    if is_primary():
+        client.key_value_delete(key)
+    return shared
+
+
 def broadcast_ints(values: Sequence[int]) -> list[int]:
-    """Process 0's `values` on every process (all must pass the same length)."""
+    """Process 0's `values` on every process (all must pass the same length; the others' are not read)."""
     values = [int(v) for v in values]
     if process_count() == 1:
         return values
-    from jax.experimental import multihost_utils
+    if _client() is None:  # several processes without JAX's distributed runtime: the device collective
+        from jax.experimental import multihost_utils
 
-    return [int(v) for v in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64)))]
+        return [int(v) for v in np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64)))]
+    shared = _primary_text(",".join(map(str, values)))
+    return [int(v) for v in shared.split(",")] if shared else []
 
 
 def broadcast_int(value: int) -> int:
@@ -44,6 +81,9 @@ def broadcast_rows(rows: Sequence[Sequence[int]], width: int) -> list[tuple[int,
     mine = np.asarray(rows, np.int64).reshape(-1, width) if len(rows) else np.zeros((0, width), np.int64)
     if process_count() == 1:
         return [tuple(int(x) for x in row) for row in mine]
+    if _client() is not None:  # the store carries any length: one agreement
+        shared = broadcast_ints(mine.reshape(-1).tolist())
+        return [tuple(shared[i:i + width]) for i in range(0, len(shared), width)]
     count = broadcast_int(len(mine))
     padded = np.zeros((max(count, 1), width), np.int64)
     padded[:min(len(mine), count)] = mine[:count]
@@ -87,7 +127,16 @@ def first_failure(code: int) -> int:
 
 
 def barrier(name: str) -> None:
-    if process_count() > 1:
+    """Returns once every process has called it (`name` says what for, in a hang's stack)."""
+    if process_count() == 1:
+        return
+    if _client() is None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    _store_barrier(name)
+
+
+def _store_barrier(name: str) -> None:
+    _client().wait_at_barrier(f"checkpointing/barrier/{next(_agreements)}/{name}", _WAIT_MS)

@@ -1,0 +1,40 @@
+"""Agreements on a real 3-process pod (127.0.0.1, the JAX distributed runtime): process 0's answer
+reaches every process through the runtime's key-value store, process 0 waits until every process has
+read it, and nothing is left in the store."""
+
+import io
+import json
+import signal
+
+import pytest
+
+from launch import pod as pod_lib
+
+
+@pytest.mark.slow
+def test_every_process_gets_process_0s_answer_through_the_store():
+    output = io.StringIO()
+    pod, pumps = pod_lib.start_pod("tests.collective_child", [], num_processes=3, devices_per_process=1,
+                                   output=output)
+    try:
+        codes = [proc.wait(timeout=120) for proc in pod.processes]
+    finally:
+        pod.signal_all(signal.SIGKILL)  # any still running
+    for pump in pumps:
+        pump.join(timeout=10)
+    assert codes == [0, 0, 0], output.getvalue()[-3000:]
+    results = {}
+    for line in output.getvalue().splitlines():
+        index, _, text = line.partition("] RESULT ")
+        if text:
+            results[int(index.lstrip("["))] = json.loads(text)
+    assert sorted(results) == [0, 1, 2]
+    for result in results.values():
+        assert result["ints"] == [1, 2]
+        assert result["rows"] == [[0, 0], [0, 1], [0, 2]]
+        assert result["no_rows"] == []
+        assert result["decided"] is True
+        assert result["late"] == 42
+    # Process 0 returned from the late agreement only once process 1, a second late, had read it.
+    assert results[0]["returned_at"] >= results[1]["sleep_started"] + 1.0
+    assert results[0]["keys_left"] == 0
