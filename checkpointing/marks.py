@@ -9,17 +9,21 @@ the step that writes the state, before any write of this save has started, and s
 
     wanted = checkpointer.marks_wanted(step + 1)          # host decision, the same on every process
     state, loss = train_step(state, batch)
-    marks = marks_fn(state, wanted.flags) if wanted.any else None   # jit of step_marks(s, flags, shardings)
+    marks = marks_fn(shardings)(state, wanted) if wanted.any else None   # dispatches what was asked
     checkpointer.on_step(step + 1, state, loss, marks=marks)
 
-`flags` is a replicated bool[2] device array (fingerprints, summaries), made once per mesh; the marks
-are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both replicated (the
-caller's jit gives them out_shardings=P()). One executable serves every request (`lax.cond` per flag).
-They may also be computed inside the step itself, but that changes how XLA compiles the update (the
-trainer's losses then differed from the plain step's in the last bits): ours keep them apart. A step the
-Checkpointer did not ask is saved as before: save() dispatches the fingerprint pass itself (a time-based
-or preemption save is not known a step ahead). The values are the same: the fingerprint is integer
-arithmetic (tests/test_marks.py).
+The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both
+replicated; a part not asked is None. `marks_fn` keeps them in two executables per layout, dispatched only
+when asked: the fingerprints, which a restart compiles before its restore (the check needs them), and the
+summaries, compiled at the first probe. Each is one global jit of per-leaf reductions (XLA partitions them),
+with no conditional: in one executable under `lax.cond` per part, a 4-layer transformer's marks (213
+leaves) cost a restart as much as its step did (0.99 s against 1.05 s from a warm cache), and its
+fingerprints alone cost 0.32 s (benchmarks/compile_bench.py). They may also be computed inside the step
+itself, but that changes how XLA compiles the update (the trainer's losses then differed from the plain
+step's in the last bits): ours keep them apart. `step_marks` is the same marks inside a caller's own jit,
+asked by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the Checkpointer did
+not ask is saved as before: save() dispatches the fingerprints itself (a time-based or preemption save is not
+known a step ahead). The values are the same: the fingerprint is integer arithmetic (tests/test_marks.py).
 """
 
 import dataclasses
@@ -31,6 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import probes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +65,8 @@ def request(mesh: Mesh | None, fingerprints: bool = False, summaries: bool = Fal
     # From each process's own copy: device_put of a host value onto a multi-process mesh first checks that
     # every process passed the same one, an all-gather (and its compile) per call; these are the same by
     # construction (every process asks the same steps, Checkpointer.marks_wanted).
-    flags = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P()), lambda index: value[index])
+    with jax.transfer_guard_host_to_device("allow"):  # once per mesh and request (cached), never per step
+        flags = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P()), lambda index: value[index])
     return Wanted(fingerprints, summaries, flags)
 
 
@@ -158,32 +164,51 @@ _local_lanes_jit = jax.jit(_local_lanes, static_argnums=(1, 2, 3))
 _local_parts_jit = jax.jit(_local_parts)
 
 
-def _marks_of(shardings, state, flags):
-    return step_marks(state, flags, shardings)
+def _stacked_fingerprints(state) -> jax.Array:
+    return jnp.stack([fingerprint_lib._leaf_fingerprint(x) for x in jax.tree.leaves(state)])
+
+
+def _stacked_summaries(state) -> jax.Array:
+    return jnp.stack([_leaf_summary(x) for x in jax.tree.leaves(state)])
+
+
+# Jitted per leaf (as fingerprint._leaf_fingerprint): leaves of one shape are traced and lowered once.
+_leaf_summary = jax.jit(probes.leaf_summary)
+
+
+class MarksFn:
+    """The marks of states on one layout: `(state, wanted) -> (fingerprints, summaries)`, each dispatched only
+    when `wanted` (a Wanted) asks for it, else None. Its executables are `.fingerprints` and `.summaries`."""
+
+    def __init__(self, tree):
+        replicated = NamedSharding(jax.tree.leaves(tree)[0].mesh, P())
+        self.fingerprints = jax.jit(_stacked_fingerprints, in_shardings=(tree,), out_shardings=replicated)
+        self.summaries = jax.jit(_stacked_summaries, in_shardings=(tree,), out_shardings=replicated)
+
+    def __call__(self, state, wanted: Wanted) -> tuple[jax.Array | None, jax.Array | None]:
+        return (self.fingerprints(state) if wanted.fingerprints else None,
+                self.summaries(state) if wanted.summaries else None)
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted(treedef, shardings: tuple):
-    tree = jax.tree.unflatten(treedef, shardings)
-    replicated = NamedSharding(shardings[0].mesh, P())
-    return jax.jit(functools.partial(_marks_of, tree), in_shardings=(tree, replicated),
-                   out_shardings=(replicated, replicated))
+def _jitted(treedef, shardings: tuple) -> MarksFn:
+    return MarksFn(jax.tree.unflatten(treedef, shardings))
 
 
-def marks_fn(shardings):
-    """The jitted step_marks for states on `shardings` (a tree of NamedShardings on one mesh), (state, flags)
-    -> marks, dispatched after the step; one object per layout, so its callers share one executable."""
+def marks_fn(shardings) -> MarksFn:
+    """The marks for states on `shardings` (a tree of NamedShardings on one mesh), dispatched after the step;
+    one object per layout, so its callers share its executables."""
     leaves, treedef = jax.tree.flatten(shardings)
     return _jitted(treedef, tuple(leaves))
 
 
 def compile_marks(abstract_state) -> None:
-    """Compiles marks_fn for states like `abstract_state` (ShapeDtypeStructs with NamedShardings). From then
-    on this process's restores and unasked saves of such states take their fingerprints from it, so no
-    fingerprint pass is compiled or kept beside it. Call on every process alike (both ways use collectives)."""
+    """Compiles the fingerprints of marks_fn for states like `abstract_state` (ShapeDtypeStructs with
+    NamedShardings). From then on this process's restores and unasked saves of such states take their
+    fingerprints from it, so no fingerprint pass is compiled or kept beside it. The summaries compile at
+    their first use (a probe's step). Call on every process alike (a restore's check is a collective)."""
     shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-    mesh = jax.tree.leaves(shardings)[0].mesh
-    marks_fn(shardings).lower(abstract_state, request(mesh).flags).compile()
+    marks_fn(shardings).fingerprints.lower(abstract_state).compile()
     _COMPILED.add(_layout(abstract_state))
 
 
@@ -207,10 +232,8 @@ class Fingerprints:
     def __init__(self, state):
         self._marks = self._pass = None
         if compiled_for(state):
-            shardings = jax.tree.map(lambda x: x.sharding, state)
-            mesh = jax.tree.leaves(shardings)[0].mesh
             self._paths = leaf_paths(state)
-            self._marks = marks_fn(shardings)(state, request(mesh, fingerprints=True).flags)[0]
+            self._marks = marks_fn(jax.tree.map(lambda x: x.sharding, state)).fingerprints(state)
         else:
             self._pass = fingerprint_lib.tree_fingerprints(state)
 

@@ -3,10 +3,13 @@
 Under jax.transfer_guard("disallow") an implicit transfer is an error, not a slowdown: a batch
 built on the host, a Python number fed to the step, a loss read with float() (on TPU and GPU).
 On CPU JAX never guards a device-to-host copy (a CPU "device" buffer is host memory), so the test
-also watches every host read of a loss: each happens in the one pull of a log (or save) step.
+also watches every host read of a loss: each that waits for its step happens in the one pull of a log
+(or save) step. The probe recorder reads its window's losses once they are ready (is_ready: the read
+waits for nothing), at whichever step boundary that is.
 """
 
 import logging
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +30,16 @@ class LossReads:
         self._kept = []  # the arrays themselves, so that no id is reused while watched
         self.dispatched = 0
         self.reads: list[tuple[int, int]] = []  # (step of the loss read, steps dispatched at the read)
+        self.ready_reads: list[tuple[int, int]] = []  # the same for reads of a loss already computed
 
     def add(self, step: int, loss) -> None:
         self._kept.append(loss)
         self.step_of[id(loss)] = step
         self.dispatched = step + 1
 
-    def saw(self, array) -> None:
+    def saw(self, array, ready: bool = False) -> None:
         if id(array) in self.step_of:
-            self.reads.append((self.step_of[id(array)], self.dispatched))
+            (self.ready_reads if ready else self.reads).append((self.step_of[id(array)], self.dispatched))
 
 
 @pytest.fixture
@@ -54,7 +58,8 @@ def loss_reads(monkeypatch) -> LossReads:
     host_value = array_type._value
 
     def watched_value(array):
-        reads.saw(array)
+        # A read at a pull counts whether or not its value is ready; any other read must find it ready.
+        reads.saw(array, ready=array.is_ready() and _reader() == "probe")
         return host_value.fget(array)
 
     monkeypatch.setattr(array_type, "_value", property(watched_value))
@@ -64,6 +69,16 @@ def loss_reads(monkeypatch) -> LossReads:
     assert reads.reads == [(-1, 0)], "JAX no longer reads array values through ._value: update this spy"
     reads.reads.clear()
     return reads
+
+
+def _reader() -> str:
+    """'probe' when the probe recorder is the one reading (it reads its window's losses once ready)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("probe_recorder.py"):
+            return "probe"
+        frame = frame.f_back
+    return "other"
 
 
 def test_the_guard_refuses_an_implicit_transfer_on_this_backend():
@@ -88,3 +103,5 @@ def test_losses_stay_on_device_between_log_steps(tmp_path, loss_reads, caplog):
     assert {step: min(at) for step, at in read_at.items()} == {
         step: min(p for p in pulls if p > step) for step in range(STEPS)}, read_at
     assert all(p in pulls and p > step for step, at in read_at.items() for p in at), read_at
+    # The probe's reads came after the step that computed each loss, and found it computed.
+    assert all(step < dispatched for step, dispatched in loss_reads.ready_reads), loss_reads.ready_reads

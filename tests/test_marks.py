@@ -55,6 +55,27 @@ def test_a_steps_marks_equal_the_separate_passes_leaf_by_leaf_and_are_zero_when_
     assert not np.any(np.asarray(marks[0])) and not np.any(np.asarray(marks[1]))
 
 
+def test_marks_fn_dispatches_only_the_parts_asked_and_equals_the_separate_passes():
+    """The trainer's marks (marks_fn: one executable per part, dispatched after the step) are the same
+    values as step_marks' in a caller's jit and the separate passes; a part not asked is not computed."""
+    state = STEP(state_at(3), mark_request(MESH).flags)[0]
+    fn = marks_lib.marks_fn(SHARDINGS)
+    assert fn is marks_lib.marks_fn(dict(SHARDINGS)), "one object per layout: its callers share its executables"
+    fingerprints, summaries = fn(state, mark_request(MESH, fingerprints=True, summaries=True))
+    in_jit = jax.jit(lambda s, f: step_marks(s, f, SHARDINGS))(state, mark_request(MESH, True, True).flags)
+    paths = marks_lib.leaf_paths(state)
+    assert marks_lib.fingerprint_ints(fingerprints, paths) == fingerprint_lib.fingerprint_tree(state) == \
+        marks_lib.fingerprint_ints(in_jit[0], paths)
+    separate = probes.to_host(probes.leaf_summaries(state))
+    mine, theirs = marks_lib.summaries_of(summaries, paths), marks_lib.summaries_of(in_jit[1], paths)
+    assert sorted(mine) == sorted(separate) == sorted(paths)
+    for path in paths:
+        np.testing.assert_allclose(mine[path], separate[path], rtol=1e-6)
+        np.testing.assert_allclose(mine[path], theirs[path], rtol=1e-6)
+    assert fn(state, mark_request(MESH, fingerprints=True))[1] is None
+    assert fn(state, mark_request(MESH, summaries=True))[0] is None
+
+
 def _train(workdir, total_steps, counted, *, ask=True, **options):
     """A user's loop on the public API; returns [(step, wanted fingerprints, wanted summaries)]."""
     asked = []

@@ -115,10 +115,10 @@ def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True)
         program.batch_fn.lower(0).compile()
     program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
     if fingerprints:
-        # The save marks, dispatched after the step at the steps a save or a probe asks for; a preemption
+        # The save marks' fingerprints, dispatched after the step at the steps a save asks for; a preemption
         # or time-based save and the restore's check dispatch the same executable (checkpointing.
-        # compile_marks), so no fingerprint pass is compiled beside it. fingerprints=False: a loop that
-        # takes none (the plain Orbax baseline of benchmarks/).
+        # compile_marks), so no fingerprint pass is compiled beside it; the summaries compile at the first
+        # probe. fingerprints=False: a loop that takes none (the plain Orbax baseline of benchmarks/).
         program.step_fn.compile_marks(program.abstract_state)
     if fresh:
         program.init_fn.lower().compile()

@@ -45,17 +45,17 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
 class StepFn:
     """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), with its scalars
     and marks for the trainer's loop (`with_scalars`), and its marks alone for the verifier's cheap proof
-    (`with_marks`): one step executable and one marks executable serve all three, so every caller
-    computes the same numbers.
+    (`with_marks`): one step executable and the marks' two (checkpointing.marks_fn: fingerprints,
+    summaries) serve all three, so every caller computes the same numbers.
 
-    The marks (checkpointing.step_marks) are their own executable, dispatched right after the step and
-    only at the steps asked: inside the step they would change how XLA compiles the update (its losses
-    then differed in the last bits from the step without them, and so did every cross-layout drift).
+    The marks are executables of their own, dispatched right after the step and only at the steps asked:
+    inside the step they would change how XLA compiles the update (its losses then differed in the last
+    bits from the step without them, and so did every cross-layout drift).
     """
 
     def __init__(self, jitted, marks_fn):
         self.jitted = jitted
-        self._marks_fn = marks_fn  # checkpointing.marks_fn of the state's shardings: (state, flags) -> marks
+        self._marks_fn = marks_fn  # checkpointing.marks_fn of the state's shardings: (state, wanted) -> marks
 
     def __call__(self, state, batch):
         new_state, loss, _ = self.jitted(state, batch)
@@ -65,7 +65,7 @@ class StepFn:
         """(state, loss, scalars, marks): marks per `wanted` (a Checkpointer.marks_wanted answer; None or
         nothing asked: None, and nothing is dispatched for them)."""
         new_state, loss, scalars = self.jitted(state, batch)
-        marks = self._marks_fn(new_state, wanted.flags) if wanted is not None and wanted.any else None
+        marks = self._marks_fn(new_state, wanted) if wanted is not None and wanted.any else None
         return new_state, loss, scalars, marks
 
     def with_marks(self, state, batch, wanted):
@@ -77,7 +77,7 @@ class StepFn:
 
     @staticmethod
     def compile_marks(abstract_state) -> None:
-        """Compiles the marks executable; the Checkpointer's restores and unasked saves then use it too."""
+        """Compiles the marks' fingerprints; the Checkpointer's restores and unasked saves then use them too."""
         compile_marks(abstract_state)
 
     def _cache_size(self) -> int:
