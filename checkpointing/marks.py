@@ -17,8 +17,8 @@ replicated; a part not asked is None. `marks_fn` keeps them in two executables p
 when asked: the fingerprints, which a restart compiles before its restore (the check needs them), and the
 summaries, compiled at the first probe. Each is one global jit of per-leaf reductions (XLA partitions them),
 with no conditional: in one executable under `lax.cond` per part, a 4-layer transformer's marks (213
-leaves) cost a restart as much as its step did (0.99 s against 1.05 s from a warm cache), and its
-fingerprints alone cost 0.32 s (benchmarks/compile_bench.py). They may also be computed inside the step
+leaves) cost a restart more than its step did (1.13 s against 0.89 s from a warm cache), and its
+fingerprints alone cost 0.38 s (benchmarks/compile_bench.py). They may also be computed inside the step
 itself, but that changes how XLA compiles the update (the trainer's losses then differed from the plain
 step's in the last bits): ours keep them apart. `step_marks` is the same marks inside a caller's own jit,
 asked by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the Checkpointer did
@@ -164,16 +164,16 @@ _local_lanes_jit = jax.jit(_local_lanes, static_argnums=(1, 2, 3))
 _local_parts_jit = jax.jit(_local_parts)
 
 
+# Jitted per leaf (as fingerprint._leaf_fingerprint): leaves of one shape are traced and lowered once.
+_leaf_summary = jax.jit(probes.leaf_summary)
+
+
 def _stacked_fingerprints(state) -> jax.Array:
     return jnp.stack([fingerprint_lib._leaf_fingerprint(x) for x in jax.tree.leaves(state)])
 
 
 def _stacked_summaries(state) -> jax.Array:
     return jnp.stack([_leaf_summary(x) for x in jax.tree.leaves(state)])
-
-
-# Jitted per leaf (as fingerprint._leaf_fingerprint): leaves of one shape are traced and lowered once.
-_leaf_summary = jax.jit(probes.leaf_summary)
 
 
 class MarksFn:
