@@ -17,6 +17,7 @@ from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)
 from trainer import loop
+from verifier import verifier as verifier_module
 from verifier.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
@@ -197,6 +198,21 @@ def test_follow_proves_a_commit_made_mid_replay_at_the_next_step_and_lists_only_
     # A look after every replayed step (3 full proofs of 10 steps, 3 cheap ones of a few), and listings
     # only at each pass, each replay's first look and the looks after a change.
     assert verifier.looks >= 27 and verifier.listings < verifier.looks // 2, (verifier.looks, verifier.listings)
+
+
+def test_a_commit_made_while_every_held_state_waits_is_proved_intact_at_once_and_restored_again(
+        workdir, trained, restored_steps, monkeypatch):
+    # One state held (HELD_STATES=1 here): step 20 waits, held, behind step 10's replay when step 30
+    # commits. Its intact verdict comes before step 10's complete one, not after step 20's replay.
+    monkeypatch.setattr(verifier_module, "HELD_STATES", 1)
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = CommitDuringReplay(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight, committed)
+    verifier.follow(threading.Event(), until_step=30)
+    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
+    assert restored_steps == [10, 20, 30, 30]  # its state was let go: its own replay restored it again
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):

@@ -4,9 +4,12 @@ the verdicts written (process 0 writes; every process restores and replays, foll
 Intact proofs come first, HELD_STATES steps at a time, each step restored once and held for its own
 replay (verifier/proofs.py); under --follow, steps committed during a replay are proved intact
 between its chunks (one step each on a local workdir, REPLAY_CHUNK_STEPS on gs://), so a new
-commit's first verdict does not wait for it. While idle, --follow lists again as soon as a local
-workdir's checkpoints/ or probes/ changes (verifier/commit_watch.py), else after its backoff delay
-(the only signal on gs://).
+commit's first verdict does not wait for it. Once HELD_STATES steps are held, a step committed since
+the plan was made is still proved intact there, and its state let go: its own replay restores it
+again (one more restore per new commit for a verifier that is behind, against a first verdict that
+waited for whole replays; a backlog found at the start is not restored twice). While idle, --follow
+lists again as soon as a local workdir's checkpoints/ or probes/ changes (verifier/commit_watch.py),
+else after its backoff delay (the only signal on gs://).
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
@@ -24,7 +27,8 @@ from verifier.commit_watch import CommitWatch
 from verifier.proofs import HeldStep, StepProofs, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
-# step being proved, at most HELD_STATES + 3 states are on the verifier's devices at once.
+# step being proved, at most HELD_STATES + 3 states are on the verifier's devices at once (+ 1 while a
+# new commit is proved intact with HELD_STATES held).
 HELD_STATES = 2
 # --follow looks for new commits every this many replayed steps on gs:// (a listing and a read per
 # committed step) and proves them intact at once; on a local workdir after every step, where the
@@ -43,6 +47,8 @@ class Verifier(StepProofs):
         self._held: dict[int, HeldStep] = {}  # intact steps (verdict written) waiting for their replay
         self._intact_between_chunks = False  # --follow: prove new commits intact during a replay
         self._proving: int | None = None  # the step whose replay is running
+        self._intact_only: set[int] = set()  # proved intact between chunks while HELD_STATES were held: not held
+        self._planned: set[int] = set()  # the pending steps of the current plan: any other is a new commit
         self._watch: CommitWatch | None = None  # --follow, process 0: what tells it the workdir changed
 
     def pending_steps(self) -> list[int]:
@@ -65,9 +71,10 @@ class Verifier(StepProofs):
         """Proves the pending steps (the oldest `max_steps` of them; None: all) once each, writes
         their verdicts and returns the complete ones."""
         plan = self._agreed_plan()
-        planned = {step for step, _ in plan}
+        planned = self._planned = {step for step, _ in plan}
         for step in [step for step in self._held if step not in planned]:
             del self._held[step]  # deleted or set aside since it was held
+        self._intact_only &= planned
         plan = plan[:max_steps]
         written = []
         try:
@@ -117,7 +124,9 @@ class Verifier(StepProofs):
             return None
         # Every process takes part: restores and replays are collective; process 0 writes.
         verdict, restored = self._intact(step)
-        self._write(verdict)
+        if restored is None or step not in self._intact_only:  # its intact verdict is written already
+            self._write(verdict)
+        self._intact_only.discard(step)
         if restored is None:
             return verdict
         self._held[step] = restored
@@ -141,18 +150,23 @@ class Verifier(StepProofs):
         return 1 if self._intact_between_chunks and durable.is_local(self.options.workdir) else REPLAY_CHUNK_STEPS
 
     def _prove_new_commits_intact(self, first_chunk: bool) -> None:
-        if len(self._held) >= HELD_STATES:  # the same on every process: they follow one plan
-            return
-        # The first chunk's listing takes every pending step it can hold; after it, a step is new only
-        # if the workdir changed. Process 0 looks (its watch), every process follows its answer.
+        # The first chunk's listing takes every pending step; after it, a step is new only if the workdir
+        # changed. Process 0 looks (its watch), every process follows its answer.
         if not first_chunk and not collective.decided_by_primary(self._workdir_changed):
             return
-        skip = set(self._held) | {self._proving}
+        skip = set(self._held) | {self._proving} | self._intact_only
         for step, _ in self._agreed_plan():  # every process the same plan: the restores are collective
-            if len(self._held) >= HELD_STATES:
-                break
-            if step not in skip:
+            if step in skip:
+                continue
+            if len(self._held) < HELD_STATES:  # the same on every process: they follow one plan
                 self._hold_if_intact(step)
+                continue
+            if step in self._planned:  # the backlog waits for its turn (one restore each)
+                continue
+            verdict, restored = self._intact(step)  # a new commit's first verdict now; its state is not kept
+            self._write(verdict)
+            if restored is not None:
+                self._intact_only.add(step)
 
     def _workdir_changed(self) -> bool:
         """Process 0: whether a listing may find something new (no watch, or gs://: always)."""
