@@ -177,3 +177,29 @@ def test_a_full_disk_under_tensorboards_own_thread_is_the_one_warning_not_a_trac
     assert len(warnings) == 1 and "no space left on device" in warnings[0], warnings
     assert "Traceback" not in capsys.readouterr().err
     writer.close()
+
+
+# An unclaimed thread failure reaches pytest's own hook as this warning: here it is the test's failure.
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_writer_given_up_and_closed_still_claims_its_threads_late_failure(tmp_path, caplog, capsys):
+    """The disk-full fault test's race: the loop's flush fails first (the warning, writing off), the run
+    closes the writer, and only then does tensorboardX's thread hit the full disk with what it still
+    holds. That is still the one warning, not a traceback over the run's error line."""
+    import errno
+    writer = metrics.EventWriter(str(tmp_path))
+    writer.scalars(0, {"loss": 1.0})
+    worker = next(iter(writer._writer.all_writers.values())).event_writer._worker
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    worker._record_writer.write_event = full
+    writer._writer.flush = full
+    writer.flush()  # the loop's flush: the warning, and writing off
+    writer.close()
+    worker._queue.put(object())  # what it still held: written after the close
+    worker.join(10)
+    assert not worker.is_alive(), "the writer thread did not hit the full disk"
+    warnings = [r.getMessage() for r in caplog.records if "TensorBoard events" in r.getMessage()]
+    assert len(warnings) == 1 and "no space left on device" in warnings[0], warnings
+    assert "Traceback" not in capsys.readouterr().err

@@ -56,6 +56,7 @@ class EventWriter:
         self._writer = None
         self._broken = False
         self._uploaded_at = 0.0
+        self._threads: set = set()  # its tensorboardX writer threads, claimed by owns_failed_thread
 
     @property
     def enabled(self) -> bool:
@@ -99,7 +100,9 @@ class EventWriter:
 
     def _forget(self) -> None:
         self._writer = None
-        if self in _OPEN_WRITERS:
+        # A given-up writer's threads may still be draining its queue onto a full disk after close:
+        # it stays listed, so their failure is still its warning, not a traceback.
+        if self in _OPEN_WRITERS and not self._broken:
             _OPEN_WRITERS.remove(self)
 
     def _open(self):
@@ -114,9 +117,9 @@ class EventWriter:
     def owns_failed_thread(self, args) -> bool:
         """If `args` (threading.excepthook's) is one of this writer's tensorboardX threads failing (a full
         disk while it writes queued events), the warning and turning writing off, instead of a traceback."""
-        threads = {file_writer.event_writer._worker
-                   for file_writer in (getattr(self._writer, "all_writers", None) or {}).values()}
-        if args.thread not in threads or not isinstance(args.exc_value, OSError):
+        self._threads |= {file_writer.event_writer._worker
+                          for file_writer in (getattr(self._writer, "all_writers", None) or {}).values()}
+        if args.thread not in self._threads or not isinstance(args.exc_value, OSError):
             return False
         if not self._broken:
             self._fail("write", args.exc_value)
@@ -134,6 +137,7 @@ class EventWriter:
         # the disk is still full: its writers are given up here (events are a convenience copy).
         for file_writer in (getattr(self._writer, "all_writers", None) or {}).values():
             file_writer.event_writer._closed = True
+            self._threads.add(file_writer.event_writer._worker)
         logging.warning("metrics: cannot %s TensorBoard events under %s (%s); training goes on without them",
                         what, self._target, one_line_cause(err))
 
