@@ -186,14 +186,20 @@ class CommitDuringReplay(RecordingVerifier):
         return super()._agreed_plan()
 
 
-def test_follow_proves_a_commit_made_mid_replay_at_the_next_step_and_lists_only_after_a_change(workdir, trained):
-    # On a local workdir --follow looks for new commits after every replayed step, but after a replay's
-    # first chunk it lists only when the commit watch saw a change.
+def follow_with_step_30_committed_mid_replay(workdir) -> CommitDuringReplay:
+    """--follow over the trained run with step 30 hidden until the second look of the first replay."""
     committed = helpers.checkpoint_dir(workdir, "30")
     in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
     os.rename(committed, in_flight)
     verifier = CommitDuringReplay(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight, committed)
     verifier.follow(threading.Event(), until_step=30)
+    return verifier
+
+
+def test_follow_proves_a_commit_made_mid_replay_at_the_next_step_and_lists_only_after_a_change(workdir, trained):
+    # On a local workdir --follow looks for new commits after every replayed step, but after a replay's
+    # first chunk it lists only when the commit watch saw a change.
+    verifier = follow_with_step_30_committed_mid_replay(workdir)
     assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
     # A look after every replayed step (3 full proofs of 10 steps, 3 cheap ones of a few), and listings
     # only at each pass, each replay's first look and the looks after a change.
@@ -205,11 +211,7 @@ def test_a_commit_made_while_every_held_state_waits_is_proved_intact_at_once_and
     # One state held (HELD_STATES=1 here): step 20 waits, held, behind step 10's replay when step 30
     # commits. Its intact verdict comes before step 10's complete one, not after step 20's replay.
     monkeypatch.setattr(verifier_module, "HELD_STATES", 1)
-    committed = helpers.checkpoint_dir(workdir, "30")
-    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
-    os.rename(committed, in_flight)
-    verifier = CommitDuringReplay(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight, committed)
-    verifier.follow(threading.Event(), until_step=30)
+    verifier = follow_with_step_30_committed_mid_replay(workdir)
     assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
     assert restored_steps == [10, 20, 30, 30]  # its state was let go: its own replay restored it again
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
