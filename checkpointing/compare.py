@@ -7,11 +7,14 @@ either side is a mismatch in its own right, named as such.
 """
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from checkpointing import replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +115,29 @@ def compare_leaves(actual, expected, tolerances: dict[str, float]) -> Mismatch |
     return None
 
 
-@jax.jit
-def _finite_flags(leaves):
-    # x * 0 is 0 for a finite x and NaN for NaN or +-Inf, so one vectorized sum per leaf tells (XLA never
-    # folds x * 0 for floats: that would break NaN). On XLA's CPU backend jnp.all(jnp.isfinite(x)) took
-    # about as long as the restore it checks (0.21 s against 0.05 s for 260 MiB on 8 CPU devices).
-    # One stacked array: one transfer to the host.
-    return jnp.stack([jnp.isfinite(jnp.sum(leaf * 0)) for leaf in leaves])
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_flags(leaves, targets: tuple):
+    # One stacked array: one transfer to the host. Each leaf is read once, not once per replica
+    # (checkpointing/replicas.py), and, for IEEE floats, as integers: NaN and Inf are the values whose
+    # exponent bits are all ones. On XLA's CPU backend that is 4x faster than the float sum of x * 0 (0.12 ->
+    # 0.03 s for the verifier's 260 MiB on data=4,model=2; jnp.all(jnp.isfinite(x)) was slower still).
+    return jnp.stack([_is_finite(replicas.constrained(x, target)) for x, target in zip(leaves, targets, strict=True)])
+
+
+def _is_finite(x: jax.Array) -> jax.Array:
+    unsigned = _IEEE_BITS.get(jnp.dtype(x.dtype))
+    if x.size == 0:
+        return jnp.bool_(True)
+    if unsigned is None:  # complex, float8 (no Inf, other NaNs) and the like: x * 0 is NaN for NaN or +-Inf
+        return jnp.isfinite(jnp.sum(x * 0))
+    info = jnp.finfo(x.dtype)
+    exponent = unsigned(((1 << info.nexp) - 1) << info.nmant)
+    bits = jax.lax.bitcast_convert_type(x, unsigned)
+    return jnp.max(((bits & exponent) == exponent).astype(jnp.uint8)) == 0  # a uint8 max: vectorizes on CPU
+
+
+_IEEE_BITS = {jnp.dtype(jnp.float16): jnp.uint16, jnp.dtype(jnp.bfloat16): jnp.uint16,
+              jnp.dtype(jnp.float32): jnp.uint32, jnp.dtype(jnp.float64): jnp.uint64}
 
 
 def nonfinite_leaves(tree) -> list[str]:
@@ -127,5 +146,6 @@ def nonfinite_leaves(tree) -> list[str]:
             if jnp.issubdtype(leaf.dtype, jnp.inexact)]
     if not flat:
         return []
-    flags = jax.device_get(_finite_flags([leaf for _, leaf in flat]))
+    leaves = [leaf for _, leaf in flat]
+    flags = jax.device_get(_finite_flags(leaves, replicas.spreads(leaves)))
     return [path for (path, _), ok in zip(flat, flags) if not ok]

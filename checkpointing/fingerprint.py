@@ -22,6 +22,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from checkpointing import replicas
+
 _INDEX_MULTIPLIER = 0x9E3779B9  # odd (golden ratio): index -> offset is a bijection mod 2**32
 
 
@@ -81,13 +83,19 @@ def lanes_of(bits: jax.Array, index: jax.Array) -> jax.Array:
 _leaf_fingerprint = jax.jit(leaf_fingerprint)
 
 
+def _fingerprints(tree, targets: tuple):
+    # Each leaf read once, not once per replica (checkpointing/replicas.py): integer sums, the same values.
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [_leaf_fingerprint(replicas.constrained(x, target))
+                                        for x, target in zip(leaves, targets, strict=True)])
+
+
 @functools.lru_cache(maxsize=8)
 def _fingerprint_fn(mesh: Mesh | None):
-    fingerprints = lambda tree: jax.tree.map(_leaf_fingerprint, tree)
     if mesh is None:  # single-device arrays: computed where they live
-        return jax.jit(fingerprints)
+        return jax.jit(_fingerprints, static_argnums=1)
     # Replicated outputs, so every process can read every fingerprint without a gather.
-    return jax.jit(fingerprints, out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(_fingerprints, static_argnums=1, out_shardings=NamedSharding(mesh, P()))
 
 
 def tree_fingerprints(tree):
@@ -95,13 +103,15 @@ def tree_fingerprints(tree):
 
     Every leaf must live on one mesh (the program's; the result is replicated on it) or on one device.
     """
-    return _fingerprint_fn(getattr(jax.tree.leaves(tree)[0].sharding, "mesh", None))(tree)
+    leaves = jax.tree.leaves(tree)
+    return _fingerprint_fn(getattr(leaves[0].sharding, "mesh", None))(tree, replicas.spreads(leaves))
 
 
 def compile_pass(abstract_tree) -> None:
     """Compiles tree_fingerprints for trees like `abstract_tree` (ShapeDtypeStructs with shardings), so its
     first call dispatches at once; with the persistent compilation cache on, later processes load it."""
-    _fingerprint_fn(getattr(jax.tree.leaves(abstract_tree)[0].sharding, "mesh", None)).lower(abstract_tree).compile()
+    leaves = jax.tree.leaves(abstract_tree)
+    _fingerprint_fn(getattr(leaves[0].sharding, "mesh", None)).lower(abstract_tree, replicas.spreads(leaves)).compile()
 
 
 class CompiledAhead:

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import probes
+from checkpointing import replicas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +169,10 @@ _local_parts_jit = jax.jit(_local_parts)
 _leaf_summary = jax.jit(probes.leaf_summary)
 
 
-def _stacked_fingerprints(state) -> jax.Array:
-    return jnp.stack([fingerprint_lib._leaf_fingerprint(x) for x in jax.tree.leaves(state)])
+def _stacked_fingerprints(state, shardings: tuple) -> jax.Array:
+    # Each leaf read once, not once per replica (checkpointing/replicas.py): integer sums, the same values.
+    return jnp.stack([fingerprint_lib._leaf_fingerprint(replicas.constrained(x, replicas.spread(sharding, x.shape)))
+                      for x, sharding in zip(jax.tree.leaves(state), shardings, strict=True)])
 
 
 def _stacked_summaries(state) -> jax.Array:
@@ -182,7 +185,8 @@ class MarksFn:
 
     def __init__(self, tree):
         replicated = NamedSharding(jax.tree.leaves(tree)[0].mesh, P())
-        self.fingerprints = jax.jit(_stacked_fingerprints, in_shardings=(tree,), out_shardings=replicated)
+        fingerprints = functools.partial(_stacked_fingerprints, shardings=tuple(jax.tree.leaves(tree)))
+        self.fingerprints = jax.jit(fingerprints, in_shardings=(tree,), out_shardings=replicated)
         self.summaries = jax.jit(_stacked_summaries, in_shardings=(tree,), out_shardings=replicated)
 
     def __call__(self, state, wanted: Wanted) -> tuple[jax.Array | None, jax.Array | None]:
