@@ -114,3 +114,14 @@ def stdlib_corpus(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("corpus") / "stdlib")
     shards.prepare(corpus.default_corpus_dir(), out, 32, eval_fraction=0.25, max_files=6, records_per_shard=100)
     return out
+
+
+@pytest.fixture
+def restored_steps(monkeypatch):
+    """Every step CheckpointService.restore is asked for, in order (the real restore runs)."""
+    from checkpointing.service import CheckpointService  # noqa: PLC0415  (only the tests that ask load Orbax)
+
+    restored, real_restore = [], CheckpointService.restore
+    monkeypatch.setattr(CheckpointService, "restore", lambda self, step, *args, **kwargs: restored.append(step) or
+                        real_restore(self, step, *args, **kwargs))
+    return restored

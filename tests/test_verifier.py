@@ -4,32 +4,29 @@ what its verdicts decide (resumes, retention, inspect). Damaged steps: test_veri
 import glob
 import os
 import shutil
-import threading
-import time
 
 import pytest
 
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.service import CheckpointService
 from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)
 from trainer import loop
-from verifier import verifier as verifier_module
-from verifier.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
+from tests.verifier_recording import RecordingVerifier
+from verifier.verifier import HELD_STATES, Verifier, VerifierOptions
 
 pytestmark = pytest.mark.slow
-
-TRAIN = ["--mesh=data=4,model=2", "--batch_size=32", "--save_every_steps=10", "--max_to_keep=100",
-         "--log_every_steps=10"]
 
 
 @pytest.fixture
 def trained(trained_copy, workdir):
     """This test's own copy of tamper.RUN (steps 10, 20, 30), in `workdir`: its config."""
     return trained_copy(workdir, **RUN)
+
+TRAIN = ["--mesh=data=4,model=2", "--batch_size=32", "--save_every_steps=10", "--max_to_keep=100",
+         "--log_every_steps=10"]
 
 
 def train_subprocess(workdir, steps, *extra):
@@ -89,30 +86,6 @@ def directory_times(workdir):
                   if os.path.basename(root) != workdir_lib.VERDICTS_DIR)
 
 
-class RecordingVerifier(Verifier):
-    """The real verifier, recording the order of its verdict writes as (step, complete), and how many
-    step executables its replay programs had compiled at each."""
-
-    def __init__(self, options):
-        super().__init__(options)
-        self.writes = []
-        self.compiled_steps = []
-
-    def _write(self, verdict):
-        self.writes.append((verdict["step"], verdict["complete"]))
-        self.compiled_steps.append(sum(program.step_fn._cache_size() for program in self._programs.values()))
-        super()._write(verdict)
-
-
-@pytest.fixture
-def restored_steps(monkeypatch):
-    """Every step CheckpointService.restore is asked for, in order (the real restore runs)."""
-    restored, real_restore = [], CheckpointService.restore
-    monkeypatch.setattr(CheckpointService, "restore", lambda self, step, *args, **kwargs: restored.append(step) or
-                        real_restore(self, step, *args, **kwargs))
-    return restored
-
-
 def test_once_proves_two_steps_at_a_time_intact_first_each_restored_once(workdir, trained, restored_steps):
     # A step waiting behind an older one gets its intact verdict before that one's replay, and its
     # one restore serves both of its levels.
@@ -129,92 +102,6 @@ def test_once_proves_two_steps_at_a_time_intact_first_each_restored_once(workdir
     assert [verdicts.read_all(workdir)[step]["level"] for step in steps] == ["reproduced"] * 3
     # A new verifier proves steps intact before it compiles its replay: the first verdicts wait for no compile.
     assert verifier.compiled_steps[:HELD_STATES] == [0] * HELD_STATES and verifier.compiled_steps[-1] == 1
-
-
-def test_follow_proves_new_commits_intact_during_a_replay(workdir, trained, restored_steps):
-    # Under --follow, steps found between replay chunks are proved intact at once (up to
-    # HELD_STATES held): step 30's first verdict does not wait for step 10's 10-step replay.
-    assert HELD_STATES == 2 and REPLAY_CHUNK_STEPS < 10
-    verifier = RecordingVerifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
-    verifier.follow(threading.Event(), until_step=30)
-    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
-    assert restored_steps == [10, 20, 30]
-    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
-
-
-def test_follow_wakes_on_a_commit_not_on_its_backoff(workdir, trained):
-    # A backoff far longer than the test: only the commit watch (verifier/commit_watch.py) can start
-    # step 30's proof once its save is renamed into place, as an Orbax commit does on a local disk.
-    committed = helpers.checkpoint_dir(workdir, "30")
-    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
-    os.rename(committed, in_flight)
-    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),), follow=True, poll_secs=3600,
-                                        max_poll_secs=3600))
-    stop, written = threading.Event(), []
-    thread = threading.Thread(target=lambda: written.extend(verifier.follow(stop, until_step=30)), daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 300  # hang guards, not speed requirements
-        while not (verdicts.read(workdir, 20) or {}).get("complete") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert thread.is_alive(), "follow returned before step 30 was committed"
-        time.sleep(0.5)  # it is idle now, waiting on the watch
-        os.rename(in_flight, committed)
-        thread.join(300)
-        assert not thread.is_alive(), "the commit of step 30 did not wake the verifier"
-    finally:
-        stop.set()
-    assert [(v["step"], v["level"], v["status"]) for v in written] == [(s, "reproduced", "pass") for s in (10, 20, 30)]
-
-
-class CommitDuringReplay(RecordingVerifier):
-    """Renames a hidden save into place at the second look for new commits of a replay (its first chunk is
-    over), and counts the listings (the plans agreed)."""
-
-    def __init__(self, options, hidden, committed):
-        super().__init__(options)
-        self.moves, self.looks, self.listings = (hidden, committed), 0, 0
-
-    def _prove_new_commits_intact(self, first_chunk):
-        self.looks += 1
-        if self.looks == 2:
-            os.rename(*self.moves)
-        super()._prove_new_commits_intact(first_chunk)
-
-    def _agreed_plan(self):
-        self.listings += 1
-        return super()._agreed_plan()
-
-
-def follow_with_step_30_committed_mid_replay(workdir) -> CommitDuringReplay:
-    """--follow over the trained run with step 30 hidden until the second look of the first replay."""
-    committed = helpers.checkpoint_dir(workdir, "30")
-    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
-    os.rename(committed, in_flight)
-    verifier = CommitDuringReplay(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight, committed)
-    verifier.follow(threading.Event(), until_step=30)
-    return verifier
-
-
-def test_follow_proves_a_commit_made_mid_replay_at_the_next_step_and_lists_only_after_a_change(workdir, trained):
-    # On a local workdir --follow looks for new commits after every replayed step, but after a replay's
-    # first chunk it lists only when the commit watch saw a change.
-    verifier = follow_with_step_30_committed_mid_replay(workdir)
-    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
-    # A look after every replayed step (3 full proofs of 10 steps, 3 cheap ones of a few), and listings
-    # only at each pass, each replay's first look and the looks after a change.
-    assert verifier.looks >= 27 and verifier.listings < verifier.looks // 2, (verifier.looks, verifier.listings)
-
-
-def test_a_commit_made_while_every_held_state_waits_is_proved_intact_at_once_and_restored_again(
-        workdir, trained, restored_steps, monkeypatch):
-    # One state held (HELD_STATES=1 here): step 20 waits, held, behind step 10's replay when step 30
-    # commits. Its intact verdict comes before step 10's complete one, not after step 20's replay.
-    monkeypatch.setattr(verifier_module, "HELD_STATES", 1)
-    verifier = follow_with_step_30_committed_mid_replay(workdir)
-    assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
-    assert restored_steps == [10, 20, 30, 30]  # its state was let go: its own replay restored it again
-    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):
@@ -239,10 +126,15 @@ def test_a_step_without_its_commit_marker_is_never_verified_or_touched(workdir, 
     assert snapshot(workdir) == before
 
 
-def test_verify_once_exit_codes(workdir, trained):
+def test_verify_once_exit_codes(workdir, trained, tmp_path):
     config = trained
-    ok = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)
+    cache = tmp_path / "compile-cache"
+    ok = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
+                            f"--compilation_cache_dir={cache}", device_count=2)
     assert ok.returncode == 0, ok.stderr[-3000:]
+    # Its executables go to the persistent compilation cache, as the trainer's do: a restart loads them.
+    cached = {name.split("-")[0] for name in os.listdir(cache)}
+    assert {"jit__fingerprints", "jit__finite_flags", "jit_train_step"} <= cached, cached
     rewrite_step(config, 30, flip_one_bit, keep_saved_fingerprints=True)
     os.remove(workdir_lib.verdict_file(workdir, 30))
     failed = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once", device_count=2)

@@ -141,7 +141,9 @@ class Verifier(StepProofs):
             self._check_stop()
             state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
             losses.update(chunk)
-            if self._intact_between_chunks and first + chunk_steps < start_step + count:
+            # After the last chunk too: what follows it (a probe's marked step, the state's comparison) is
+            # still a wait for a commit made meanwhile.
+            if self._intact_between_chunks:
                 self._prove_new_commits_intact(first_chunk=first == start_step)
         return state, losses
 

@@ -22,6 +22,7 @@ from checkpointing.errors import VerificationFailedError
 from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
 from checkpointing.config import ConfigError
+from trainer import compile_cache
 from trainer.config import check_mesh, parse_mesh
 from verifier import tolerances
 from verifier.verifier import Verifier, VerifierOptions
@@ -41,6 +42,11 @@ VERIFY_BUDGET = flags.DEFINE_float(
     "interval (the chain of trust back to the seed); 0.25 about every fourth; 0 only the final step's. The cheap "
     "proof (a few steps from each checkpoint against what the trainer recorded after it) runs at every save "
     "regardless.", lower_bound=0.0)
+# The trainer's flag and default directory: a verifier on the recording layout loads the trainer's step from
+# it, and a restarted verifier its own executables (a cold compile of the replay delayed the next verdicts).
+COMPILATION_CACHE_DIR = flags.DEFINE_string(
+    "compilation_cache_dir", None, "JAX's persistent compilation cache (local disk per host); unset: the trainer's "
+    "default, $XDG_CACHE_HOME (else ~/.cache)/jax-checkpoint-service/compile; empty: no cache.")
 UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this step is committed and verified.")
 POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between listings (doubles while idle); "
                                "on a local workdir a commit ends the wait at once.", lower_bound=0.01)
@@ -74,6 +80,8 @@ def main(argv: list[str]) -> int:
     check_workdir(WORKDIR.value, must_exist=ONCE.value)
     mesh = parse_mesh(MESH.value)
     check_mesh(mesh, jax.device_count())
+    cache_dir = COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
+    compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured)
