@@ -30,6 +30,7 @@ Format 1 manifests (before the digest) are still read; format 2 requires the dig
 """
 
 import datetime
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -76,7 +77,15 @@ _OPTIONAL: dict[str, Any] = {
 
 
 def package_versions() -> dict[str, str]:
-    return {name: importlib.metadata.version(name) for name in _PACKAGES}
+    """The versions of the packages this process imported (a copy: the manifest's own)."""
+    return dict(_versions_read_once())
+
+
+@functools.cache
+def _versions_read_once() -> tuple[tuple[str, str], ...]:
+    # About 2 ms of metadata reads that every save's manifest paid on its commit thread; and a package
+    # upgraded on disk mid-run is not the one that runs.
+    return tuple((name, importlib.metadata.version(name)) for name in _PACKAGES)
 
 
 def leaf_table(tree) -> dict[str, dict]:

@@ -4,6 +4,7 @@ tests/test_checkpointing.py checks a real trainer's manifest; these check the ru
 """
 
 import copy
+import importlib.metadata
 import json
 import math
 import os
@@ -58,6 +59,13 @@ def test_build_records_what_a_resume_and_a_proof_need():
     assert manifest["leaves"] == {".w": {"shape": [2], "dtype": "float32", "fingerprint": 7}}
     assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint"} == set(manifest["versions"])
     assert manifest["process_count"] == 1 and manifest["reason"] == "interval" and "extra" not in manifest
+
+
+def test_versions_are_the_installed_ones_and_each_manifest_has_its_own_copy():
+    first = _manifest()
+    assert first["versions"] == {name: importlib.metadata.version(name) for name in first["versions"]}
+    first["versions"]["jax"] = "edited"  # read once per process: an edit must not reach the next manifest
+    assert _manifest()["versions"]["jax"] == importlib.metadata.version("jax")
 
 
 def _resealed(edit):
