@@ -125,7 +125,17 @@ def committed_steps(directory: str) -> list[int]:
         return []
     import orbax.checkpoint as ocp  # imports JAX: the paths above must not (trainer.config uses them)
 
-    return sorted(ocp.path.step.checkpoint_steps(path))
+    if str(path).startswith("gs://"):  # Orbax checks each step on a thread pool: the round trips overlap
+        return sorted(ocp.path.step.checkpoint_steps(path))
+    # On a local disk the checks are stats: one after the other in 3.3 ms for 5 steps, against 5.9 ms for
+    # Orbax's listing, which starts a thread pool at each call (a relaunch lists about 8 times). The same
+    # test as Orbax's: a step-named directory that Orbax's own check calls finalized.
+    return sorted(ocp.path.step.step_from_checkpoint_name(entry.name) for entry in path.iterdir()
+                  if _step_named(entry.name) and entry.is_dir() and ocp.path.step.is_path_finalized(entry))
+
+
+def _step_named(name: str) -> bool:
+    return name.isdigit() or name.split("_")[-1].isdigit()  # as orbax.checkpoint's _is_legacy_step_checkpoint
 
 
 def is_committed(directory: str, step: int) -> bool:

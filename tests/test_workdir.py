@@ -1,0 +1,23 @@
+"""The workdir's listing of committed steps: on a local disk our own loop over Orbax's checks, which must
+give Orbax's own listing for every kind of entry a checkpoints/ directory can hold."""
+
+import os
+
+import orbax.checkpoint as ocp
+
+from checkpointing import workdir as workdir_lib
+
+
+def test_the_local_listing_is_orbaxs_for_every_kind_of_entry(tmp_path):
+    workdir = str(tmp_path)
+    checkpoints = workdir_lib.checkpoints_dir(workdir)
+    assert workdir_lib.committed_steps(workdir) == []  # no checkpoints/ yet
+    for name in ("10", "2", "30.orbax-checkpoint-tmp-1700000000", "40.orbax-checkpoint-tmp", "ckpt_50",
+                 "notastep", "7_tmp"):
+        os.makedirs(checkpoints / name)
+    (checkpoints / "60").write_text("a file, not a step directory")
+    listed = workdir_lib.committed_steps(workdir)
+    assert listed == sorted(ocp.path.step.checkpoint_steps(checkpoints))
+    assert listed == [2, 10, 50]
+    # The one-step answer a save's commit check uses agrees with it.
+    assert [step for step in (2, 10, 30, 40, 60) if workdir_lib.is_committed(workdir, step)] == [2, 10]
