@@ -99,3 +99,13 @@ def test_bad_model_and_optimizer_input_is_one_line_and_changes_nothing(workdir, 
     before = helpers.disk_state(workdir)
     result = helpers.run_in_process(train.main, f"--workdir={workdir}", *flags)
     helpers.assert_refused(result, before, *texts)
+
+
+def test_a_linen_models_program_is_built_without_importing_flax_nnx(workdir):
+    # The nnx refusal answers without importing flax.nnx (about 0.3 s of every start) when nothing imported it.
+    script = ("import sys\nfrom tests import helpers\nfrom trainer.program import build_mesh, build_program\n"
+              f"config = helpers.small_config({str(workdir)!r}, 'mlp')\nbuild_program(config, build_mesh(config))\n"
+              "print('flax.nnx imported:', 'flax.nnx' in sys.modules)")
+    proc = helpers.run_python(script, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "flax.nnx imported: False" in proc.stdout, proc.stdout
