@@ -195,8 +195,13 @@ def proved_steps(workdir: str, among) -> list[int]:
 
 
 def newest_proved_step(workdir: str, among) -> int | None:
-    steps = proved_steps(workdir, among)
-    return steps[-1] if steps else None
+    """The newest of `among` that is proved: proved_steps()[-1], read from the newest step down and stopped at
+    the first proved one (usually one or two reads, not two per committed step: retention asks at every save
+    and the progress line every few seconds, and on gs:// each read is a request)."""
+    for step in sorted(among, reverse=True):
+        if is_proved(for_save(workdir, step)):
+            return step
+    return None
 
 
 def describe(workdir: str, step: int) -> str:

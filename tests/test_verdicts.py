@@ -107,6 +107,8 @@ def test_proved_steps_reads_only_the_steps_asked_for(tmp_path):
     assert verdicts.proved_steps(workdir, [40, 10, 20, 30, 60]) == [10, 40]
     assert verdicts.newest_proved_step(workdir, [10, 20, 30, 40]) == 40
     assert verdicts.newest_proved_step(workdir, [20, 30]) is None
+    for among in ([10, 20, 30, 40, 50, 60], [10, 20, 30], [30, 20], [60], []):  # the newest of proved_steps
+        assert verdicts.newest_proved_step(workdir, among) == (verdicts.proved_steps(workdir, among) or [None])[-1]
     assert sorted(verdicts.read_steps(workdir, [30, 60])) == [30]
     assert sorted(verdicts.read_all(workdir)) == [10, 20, 30, 40, 50]
     assert verdicts.read_all(str(tmp_path / "nothing")) == {}
@@ -116,3 +118,14 @@ def test_summary_is_what_inspect_shows():
     assert verdicts.summary(None) == "-"
     assert verdicts.summary(verdict(10)) == "reproduced pass"
     assert verdicts.summary(verdict(10, level="intact", complete=False)) == "intact pass (replaying)"
+
+
+def test_the_newest_proved_step_reads_from_the_newest_down_and_stops_at_the_first_proved(tmp_path, monkeypatch):
+    workdir = str(tmp_path)
+    for step in range(10, 110, 10):
+        verdicts.write(workdir, verdict(step, level="reproduced", status="fail" if step == 100 else "pass"))
+    read = []
+    original = verdicts.read
+    monkeypatch.setattr(verdicts, "read", lambda w, step: read.append(step) or original(w, step))
+    assert verdicts.newest_proved_step(workdir, list(range(10, 110, 10))) == 90
+    assert read == [100, 90]
