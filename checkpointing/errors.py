@@ -39,6 +39,10 @@ class FingerprintMismatchError(CheckpointError):
 class AsyncSaveError(CheckpointError):
     """A background save failed; the step it was writing never became committed."""
 
+    # Set when Orbax's finalize thread still waits for the other processes of a pod (a write that failed
+    # here only): the process exits once its line is written, without joining that thread (runtime/logs.py).
+    exit_at_once = False
+
 
 class VerificationFailedError(CheckpointError):
     """The verifier wrote failing verdicts (its exit 1 and last line name the steps)."""

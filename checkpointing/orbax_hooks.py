@@ -109,11 +109,20 @@ class DurableRename(atomicity.AtomicRenameTemporaryPath):
 
 class Manager(ocp.CheckpointManager):
     """Orbax's manager, answering its own preemption queries from the caller's one decision, with a
-    durable commit (DurableRename) on local disks."""
+    durable commit (DurableRename) on local disks, and a background write's failure known at once.
+
+    In a pod, a write that fails on one process only (its disk full or failing) leaves Orbax's finalize
+    thread there, and the others' background threads, waiting at a barrier the failed write never reaches,
+    for up to Orbax's 20-minute timeout: every process hung, and the one line that could have named the
+    disk was the watchdog's. So the failure is recorded as soon as the finalize thread sees it
+    (`background_failure`), before that barrier, and `finished_or_failed()` waits for either.
+    """
 
     def __init__(self, directory, *args, preemption_decision: Callable[[int], bool],
                  options: ocp.CheckpointManagerOptions | None = None, **kwargs):
         self._preemption_decision = preemption_decision
+        self.background_failure: BaseException | None = None  # the newest background write's error
+        self._repeat_pending = False  # that error was raised to the caller; Orbax will raise it once more
         options = options or ocp.CheckpointManagerOptions()
         if durable.is_local(directory) and options.temporary_path_class is None:
             options = dataclasses.replace(options, temporary_path_class=DurableRename)
@@ -121,3 +130,49 @@ class Manager(ocp.CheckpointManager):
 
     def reached_preemption(self, step: int) -> bool:
         return self._preemption_decision(step)
+
+    # Private in Orbax 0.12 (tests/test_service_api.py pins both): the finalize thread's wait for the
+    # background write, which re-raises its error before the thread's cross-process barrier.
+    def _wait_for_checkpointers(self):
+        try:
+            super()._wait_for_checkpointers()
+        except BaseException as err:
+            self.background_failure = err
+            raise
+
+    def finalizing(self) -> bool:
+        """Whether Orbax's finalize thread (the background write and its cross-process barrier) is running."""
+        return self._finalize_thread.map(lambda thread: thread is not None and thread.is_alive())
+
+    def finished_or_failed(self, poll_secs: float = 0.02) -> bool:
+        """Waits until no save is finalizing, or its background write failed (True: it failed; the finalize
+        thread may still be waiting for the other processes, and joining it would wait with it)."""
+        while self.finalizing():
+            if self.background_failure is not None:
+                return True
+            time.sleep(poll_secs)
+        return self.background_failure is not None
+
+    def joined_error(self) -> BaseException | None:
+        """The error of a finished save that Orbax's finalize thread consumed (raised once, and only logged by
+        Orbax): joining the thread raises it again, so the caller's line can name the cause. None if none."""
+        try:
+            self.wait_until_finished()
+        except Exception as err:  # noqa: BLE001  Orbax's or TensorStore's, as they raised it
+            return err
+        return None
+
+    def reported(self, error: BaseException | None) -> None:
+        """The caller raised `error`; if it is the recorded one, Orbax's finalize thread still holds it."""
+        self._repeat_pending = error is not None and error is self.background_failure
+
+    def drop_repeated_failure(self) -> None:
+        """Orbax re-raises a failed write's error when its finalize thread is next waited for (the next save,
+        or close), already raised by then: waits for that thread (at once, unless other processes hold its
+        barrier, where the process exits instead) and drops the repeat."""
+        if self._repeat_pending:
+            self._repeat_pending = False
+            try:
+                self.wait_until_finished()
+            except Exception:  # noqa: BLE001  the error the caller was given before
+                pass

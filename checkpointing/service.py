@@ -113,6 +113,7 @@ class CheckpointService:
         if self._run is None:
             raise ValueError("a read-only service (no RunMetadata) cannot save")
         self.check_for_errors()
+        self._manager.drop_repeated_failure()
         self._writer_check(step)
         # Orbax checks only its own in-memory step list, then deletes whatever is at the step's path
         # before writing (its checkpointer is always called with force=True): a step another writer
@@ -147,6 +148,7 @@ class CheckpointService:
                 identity_fields={"program": run.program, "init_from": run.init_from})
 
         started = time.perf_counter()
+        self._manager.background_failure = None  # any earlier one was raised by check_for_errors above
         try:
             self._manager.save(step, args=ocp.args.Composite(**{
                 workdir_lib.STATE_ITEM: local_tier.save_args(state) if local else ocp.args.StandardSave(state),
@@ -166,7 +168,9 @@ class CheckpointService:
                          time.perf_counter() - started)
 
     def check_for_errors(self) -> None:
-        """Raises AsyncSaveError if the last background save ended without committing its step."""
+        """AsyncSaveError if the last background save failed (known at once: orbax_hooks.Manager) or never committed."""
+        if self._pending_step is not None and self._manager.background_failure is not None:
+            self._raise_failed(self._manager.background_failure)
         try:
             self._manager.check_for_errors()
         except Exception as err:  # Orbax re-raises the background thread's exception as is
@@ -182,22 +186,25 @@ class CheckpointService:
 
     def _raise_failed(self, cause, step=None) -> None:
         step = self._pending_step if step is None else step
-        self._pending_step = None
+        self._pending_step = None  # reported once, here
+        self._manager.reported(cause)
         latest = self.latest_committed_step()
         if cause is None:
-            # Orbax's finalize thread consumed the error (it is raised once, and Orbax only logs
-            # it); joining the finished thread raises it again, so the line can name the cause.
-            try:
-                self._manager.wait_until_finished()
-            except Exception as err:
-                cause = err
+            cause = self._manager.joined_error()
         reason = one_line_cause(cause) if cause is not None else "it never committed"
-        raise AsyncSaveError(
+        error = AsyncSaveError(
             f"background save of step {step} failed: {reason} (writing {workdir_lib.step_dir(self.directory, step)}); "
-            f"the latest committed step is still {latest}") from cause
+            f"the latest committed step is still {latest}")
+        error.exit_at_once = jax.process_count() > 1 and self._manager.finalizing()  # see AsyncSaveError
+        raise error from cause
 
     def wait_until_finished(self) -> None:
-        """Blocks until the background save (if any) has committed, or raises AsyncSaveError."""
+        """Blocks until the background save (if any) has committed, or raises AsyncSaveError (at once when
+        its write failed here, not after the cross-process barrier that follows)."""
+        if self._manager.finished_or_failed():
+            if self._pending_step is not None:
+                self._raise_failed(self._manager.background_failure)
+            return  # reported already: its finalize thread may never end (above)
         try:
             self._manager.wait_until_finished()
         except Exception as err:
@@ -206,6 +213,7 @@ class CheckpointService:
 
     def close(self) -> None:
         self.wait_until_finished()
+        self._manager.drop_repeated_failure()
         self._manager.close()
 
     def set_aside(self, steps: Iterable[int]) -> None:

@@ -9,6 +9,7 @@ are dropped; our own records and tracebacks are left as they are.
 """
 
 import logging as py_logging
+import os
 import sys
 import threading
 
@@ -78,11 +79,14 @@ def quiet_library_logs() -> None:
 def exit_failure(message: str, error: BaseException | None = None) -> None:
     """The fault's one line (`error: ...`), last on stderr, then exit FAILURE.
 
-    The whole exception chain is logged at verbosity 1 (`--v=1`) just before it.
+    The whole exception chain is logged at verbosity 1 (`--v=1`) just before it. An error whose
+    `exit_at_once` is set (checkpointing.AsyncSaveError) exits without waiting for the other threads.
     """
     if error is not None:
         logging.vlog(1, "the fault in full:", exc_info=(type(error), error, error.__traceback__))
     logging.flush()
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
+    if getattr(error, "exit_at_once", False):  # a thread that may never end (a peer's barrier) is not joined
+        os._exit(exit_codes.FAILURE)
     sys.exit(exit_codes.FAILURE)

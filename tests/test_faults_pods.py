@@ -123,3 +123,32 @@ def test_a_peer_killed_mid_run_requeues_the_pod_and_a_relaunch_resumes_from_the_
     assert f"resumed from step {last}" in result.stdout
     helpers.assert_committed_intact(before, workdir)
     assert committed_steps(workdir)[-1] == last + 10
+
+
+def test_a_write_that_fails_on_one_process_only_ends_the_pod_with_that_processs_line(tmp_path):
+    """Process 1 may not write files over 8 KiB (tests/write_limited_train.py: RLIMIT_FSIZE), so its shards of
+    step 10 fail (EFBIG) while process 0's are written: a full or failing disk on one host. That process names
+    the step, its path and the cause at the next step and exits; the runtime then ends the other
+    (--heartbeat_timeout_secs). Before, both waited at Orbax's cross-process barrier, which the failed write never
+    reaches, until the watchdog (10 minutes), whose line named no disk."""
+    workdir = str(tmp_path / "run")
+    env = helpers.subprocess_env(4, WRITE_LIMITED_PROCESS="1", WRITE_LIMIT_BYTES="8192")
+    command = pod_command(f"--workdir={workdir}", "--steps=40", *SMALL, "--compilation_cache_dir=",
+                          "--heartbeat_timeout_secs=5")
+    command.insert(command.index("--"), "--module=tests.write_limited_train")
+    launcher = subprocess.Popen(command, env=env, cwd=helpers.REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = launcher.communicate(timeout=300)  # the watchdog's 600 s would end the old hang
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=30)
+    codes = pod_process_codes(err)
+    assert launcher.returncode == exit_codes.FAILURE and codes[1] == exit_codes.FAILURE, (codes, err[-3000:])
+    (line,) = [line for line in (out + err).splitlines() if line.startswith("[1] error: ")]
+    assert line.startswith("[1] error: background save of step 10 failed: "), line
+    assert "ocdbt.process_1" in line and line.endswith(
+        f"(writing {workdir}/checkpoints/10); the latest committed step is still None"), line
+    assert "did not finish in time" not in out + err  # not ended by the watchdog
+    assert committed_steps(workdir) == []
