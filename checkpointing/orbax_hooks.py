@@ -147,10 +147,10 @@ class Manager(ocp.CheckpointManager):
     def finished_or_failed(self, poll_secs: float = 0.02) -> bool:
         """Waits until no save is finalizing, or its background write failed (True: it failed; the finalize
         thread may still be waiting for the other processes, and joining it would wait with it)."""
-        while self.finalizing():
+        while (thread := self._finalize_thread.get()) is not None and thread.is_alive():
             if self.background_failure is not None:
                 return True
-            time.sleep(poll_secs)
+            thread.join(poll_secs)  # returns as soon as the thread ends
         return self.background_failure is not None
 
     def joined_error(self) -> BaseException | None:

@@ -88,5 +88,6 @@ def exit_failure(message: str, error: BaseException | None = None) -> None:
     sys.stderr.write(f"error: {message}\n")
     sys.stderr.flush()
     if getattr(error, "exit_at_once", False):  # a thread that may never end (a peer's barrier) is not joined
+        sys.stdout.flush()
         os._exit(exit_codes.FAILURE)
     sys.exit(exit_codes.FAILURE)
