@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 SMALL, LARGE = 4, 32
 STEPS = 3  # committed steps in the workdir
 LEASE_PIECES = ("lease_acquire", "lease_renewal", "lease_check", "lease_holder")  # one caller, exact requests
-# Through gcsfs, whose existence checks race a get against a list and may skip the list: a request's jitter.
+# Through gcsfs, whose existence checks race a get against a list and may skip the list: up to a request of
+# jitter per file read (the verdict listing reads 2 x STEPS files: 11 requests in one run, 15 in another).
 JITTERY_PIECES = ("verdict_listing", "save_check", "listing", "manifest_read")
 
 
@@ -38,9 +39,9 @@ def _assert_scaling(measured: dict[int, dict]) -> None:
     assert small["verdict_listing"].callers == large["verdict_listing"].callers == 1
     for piece in ("save_check", "listing", "manifest_read"):
         assert large[piece].callers == LARGE and small[piece].callers == SMALL
-    for piece in JITTERY_PIECES:  # each caller's requests are O(1): at most a request's jitter, never 8x
+    for piece in JITTERY_PIECES:  # each caller's requests are O(1): at most 2x from the jitter, never 8x
         per_small, per_large = small[piece].per_caller, large[piece].per_caller
-        assert not (per_large > per_small * 1.25 + 1), (
+        assert not (per_large > per_small * 2 + 1), (
             f"{piece}: {per_small:g} requests per process with {SMALL} hosts, {per_large:g} with {LARGE}")
 
 
