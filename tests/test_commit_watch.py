@@ -1,5 +1,7 @@
 """The commit watch (verifier/commit_watch.py) on real directories: a rename into checkpoints/ or
-probes/ ends the wait at once; with no change the wait lasts until its timeout (the backoff)."""
+probes/ ends the wait at once; with no change the wait lasts until its timeout (the backoff). A
+commit's time is its directory's rename, the next is forecast from the last intervals, and a wait for a
+commit ends at it or at its timeout."""
 
 import os
 import threading
@@ -113,9 +115,69 @@ def test_stop_ends_the_wait(tmp_path, checkpoints):
     assert not thread.is_alive() and result["changed"] is False
 
 
+def commit_later(tmp, committed, delay_secs=0.3):
+    """Renames `tmp` to `committed` after `delay_secs`, from a thread; returns (thread, {"at": its time})."""
+    renamed = {}
+
+    def commit():
+        time.sleep(delay_secs)
+        renamed["at"] = time.monotonic()
+        tmp.rename(committed)
+
+    thread = threading.Thread(target=commit, daemon=True)
+    thread.start()
+    return thread, renamed
+
+
+def test_a_wait_for_a_due_commit_ends_when_a_newer_step_commits(tmp_path, checkpoints):
+    # Only a step above the newest ends the wait (a save's tmp directory does not).
+    (checkpoints / "8").mkdir()
+    watch = CommitWatch(str(tmp_path))
+    tmp = tmp_path / "elsewhere.tmp"  # written outside checkpoints/, renamed in: only the commit shows
+    tmp.mkdir()
+    thread, renamed = commit_later(tmp, checkpoints / "16")
+    watch.wait_for_commit(8, LONG_BACKOFF_SECS, threading.Event())
+    returned = time.monotonic()
+    thread.join(HANG_GUARD_SECS)
+    assert "at" in renamed and renamed["at"] <= returned, "it returned before the commit"
+    assert returned - renamed["at"] < LONG_BACKOFF_SECS
+
+
+def test_a_wait_for_a_commit_that_never_comes_lasts_until_its_timeout(tmp_path, checkpoints):
+    (checkpoints / "8").mkdir()
+    (checkpoints / "16.orbax-checkpoint-tmp").mkdir()  # a killed save's directory is no commit
+    watch = CommitWatch(str(tmp_path))
+    started = time.monotonic()
+    watch.wait_for_commit(8, 0.3, threading.Event())
+    assert time.monotonic() - started >= 0.3
+
+
+def test_a_commits_time_is_its_directorys_rename(tmp_path, checkpoints):
+    watch = CommitWatch(str(tmp_path))
+    before = time.time()
+    for step in (8, 16):
+        (tmp_path / f"{step}.tmp").mkdir()
+        (tmp_path / f"{step}.tmp").rename(checkpoints / str(step))
+    (checkpoints / "24.orbax-checkpoint-tmp").mkdir()  # in progress: not a commit
+    times = watch.commit_times()
+    assert set(times) == {8, 16} and all(before - 1 <= t <= time.time() + 1 for t in times.values()), times
+
+
+def test_the_next_commit_is_forecast_from_the_spread_of_the_last_intervals():
+    window = commit_watch.next_commit_window
+    # Intervals 11 and 10 after the commit at 121: the shortest to the longest, and half a step more.
+    assert window({8: 100.0, 16: 111.0, 24: 121.0}, step_secs=0.8) == (131.0, 132.4)
+    assert window({24: 121.0, 8: 100.0, 16: 111.0}, step_secs=0.8) == (131.0, 132.4)  # by step, not by order
+    # Only the last WINDOW_INTERVALS intervals count: an old, long one (a restart's) is forgotten.
+    old_then_steady = {0: 0.0, 8: 100.0, 16: 110.0, 24: 120.0, 32: 130.0, 40: 140.0}
+    assert commit_watch.WINDOW_INTERVALS == 4 and window(old_then_steady, step_secs=0.0) == (150.0, 150.0)
+    assert window({8: 100.0}, step_secs=0.8) is None and window({}, step_secs=0.8) is None
+
+
 def test_a_gcs_workdir_is_not_watched_and_waits_out_the_backoff():
     watch = CommitWatch("gs://bucket/run")
     assert not watch.watching
+    assert watch.commit_times() == {}
     started = time.monotonic()
     assert watch.wait(0.2, threading.Event()) is False
     assert time.monotonic() - started >= 0.2

@@ -144,3 +144,110 @@ def test_a_commit_made_during_a_replays_last_chunk_is_proved_intact_before_that_
     verifier.follow(threading.Event(), until_step=30)
     assert verifier.writes == [(10, False), (20, False), (30, False), (10, True), (20, True), (30, True)]
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+
+class CommitDueDuringFirstChunk(RecordingVerifier):
+    """Records replay chunks as ("chunk", first step) when they end, the commit of a hidden save (renamed
+    into place COMMIT_DELAY_SECS after the first chunk ends, from a thread: a write in progress) and
+    the verdict writes."""
+
+    COMMIT_DELAY_SECS = 0.2
+
+    def __init__(self, options, hidden, committed):
+        super().__init__(options)
+        self.moves, self.events, self.committer = (hidden, committed), [], None
+
+    def chunk_ended(self, first_step):
+        self.events.append(("chunk", first_step))
+        if self.committer is None:
+            self.committer = threading.Thread(target=self._commit_later, daemon=True)
+            self.committer.start()
+
+    def _commit_later(self):
+        time.sleep(self.COMMIT_DELAY_SECS)
+        os.rename(*self.moves)
+        self.events.append(("committed", 30))
+
+    def _write(self, verdict):
+        super()._write(verdict)
+        self.events.append(("complete" if verdict["complete"] else "intact", verdict["step"]))
+
+
+def replaying_through(monkeypatch, on_chunk):
+    """Wraps the real replay_losses: `on_chunk(first step, secs)` after each chunk."""
+    real_replay = verifier_module.program_lib.replay_losses
+
+    def replay_losses(program, state, first, steps, batches=None):
+        began = time.monotonic()
+        replayed = real_replay(program, state, first, steps, batches)
+        on_chunk(first, time.monotonic() - began)
+        return replayed
+
+    monkeypatch.setattr(verifier_module.program_lib, "replay_losses", replay_losses)
+
+
+def forecast_due_until(monkeypatch, last_step, open_secs=600.0):
+    """A forecast that says the next commit is due now (its window open for `open_secs` more) until
+    `last_step` is committed, and then that none is."""
+
+    def window(times, step_secs):
+        return None if last_step in times else (time.time() - 1.0, time.time() + open_secs)
+
+    monkeypatch.setattr(verifier_module, "next_commit_window", window)
+
+
+def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before_the_next_replayed_step(
+        workdir, trained, monkeypatch):
+    # Step 30 is due (the forecast, staged here; its own test is in tests/test_commit_watch.py) and commits
+    # during step 10's replay. Between replayed steps the verifier waits for it (here with allowance to
+    # spare), so step 30's intact proof runs as soon as it commits, before step 10's replay goes on: no
+    # replayed step ends between the commit and step 30's first verdict, and step 10's replay is not over.
+    monkeypatch.setattr(verifier_module, "PAUSE_SHARE", 1000.0)
+    forecast_due_until(monkeypatch, last_step=30)
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = CommitDueDuringFirstChunk(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight,
+                                         committed)
+    replaying_through(monkeypatch, lambda first, secs: verifier.chunk_ended(first))
+    verifier.follow(threading.Event(), until_step=30)
+    events = verifier.events
+    commit, first_verdict = events.index(("committed", 30)), events.index(("intact", 30))
+    assert commit < first_verdict, events
+    assert [e for e in events[commit:first_verdict] if e[0] == "chunk"] == [], events
+    assert ("chunk", 9) in events[first_verdict:], f"step 10's replay was over before the commit: {events}"
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_share(workdir, trained, monkeypatch):
+    # A commit forecast that does not come (the trainer died, or changed its cadence): the verifier waits
+    # for it between replayed steps, but in all no longer than PAUSE_SHARE of its replay time.
+    forecast_due_until(monkeypatch, last_step=40)  # the run ends at 30
+    waited, replayed = [], []
+    real_wait = verifier_module.CommitWatch.wait_for_commit
+
+    def wait_for_commit(self, *args):
+        began = time.monotonic()
+        real_wait(self, *args)
+        waited.append(time.monotonic() - began)
+
+    monkeypatch.setattr(verifier_module.CommitWatch, "wait_for_commit", wait_for_commit)
+    replaying_through(monkeypatch, lambda first, secs: replayed.append(secs))
+    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
+    verifier.follow(threading.Event(), until_step=30)
+    assert waited, "the verifier never waited for the forecast commit"
+    # One wait may overrun the allowance by a scheduler's wake-up: the slack, not a speed requirement.
+    assert sum(waited) <= verifier_module.PAUSE_SHARE * sum(replayed) + 0.5, (sum(waited), sum(replayed))
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+def test_without_a_forecast_window_a_replay_never_waits(workdir, trained, monkeypatch):
+    # The trained copy's commits all carry the copy's time: no interval, so no window opens, and the
+    # verifier replays without waiting (the other follow tests rely on this too).
+    waited = []
+    monkeypatch.setattr(verifier_module.CommitWatch, "wait_for_commit", lambda self, *args: waited.append(args))
+    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
+    verifier.follow(threading.Event(), until_step=30)
+    assert waited == []
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3

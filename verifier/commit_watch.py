@@ -11,7 +11,9 @@ TICK_SECS and lists again as soon as either changed, or when the backoff delay e
 stays the fallback for a change the signature cannot show. A gs:// workdir has no directory
 mtimes: there only the backoff runs, as before.
 
-Only process 0 watches (verifier/verifier.py): it decides when every process lists again.
+Only process 0 watches (verifier/verifier.py): it decides when every process lists again. It also
+tells when each commit landed, from which a replay forecasts the next and leaves the verifier's devices
+free for it (next_commit_window).
 """
 
 import os
@@ -26,6 +28,7 @@ TICK_SECS = 0.015  # one stat per directory per tick: a commit is noticed within
 # change within RACY_SECS of the one seen can leave the same signature. A signature taken that soon
 # after its change is checked once more when RACY_SECS have passed (git's "racily clean" rule).
 RACY_SECS = 1.0
+WINDOW_INTERVALS = 4  # the commit intervals a forecast looks back on (next_commit_window)
 _RACY_NS = int(RACY_SECS * 1e9)
 
 # (st_mtime_ns, st_ino, st_size, st_ctime_ns) of each watched directory; None where it does not exist
@@ -61,6 +64,38 @@ class CommitWatch:
             stop.wait(min(self._tick_secs, remaining) if self._paths else remaining)
         return False
 
+    def commit_times(self) -> dict[int, float]:
+        """{step: its commit's wall-clock time} of the committed steps in checkpoints/: a rename sets the
+        renamed directory's ctime. Always empty on gs://."""
+        times = {}
+        for name in self._checkpoint_names():
+            if name.isdigit():
+                try:
+                    times[int(name)] = os.stat(os.path.join(self._paths[0], name)).st_ctime
+                except OSError:  # deleted meanwhile (retention)
+                    continue
+        return times
+
+    def wait_for_commit(self, newer_than: int | None, timeout_secs: float, stop: threading.Event) -> None:
+        """Returns once a step above `newer_than` is committed, `timeout_secs` passed or `stop` is set."""
+        deadline = time.monotonic() + timeout_secs
+        while not stop.is_set():
+            if any(name.isdigit() and (newer_than is None or int(name) > newer_than)
+                   for name in self._checkpoint_names()):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            stop.wait(min(self._tick_secs, remaining))
+
+    def _checkpoint_names(self) -> set[str]:
+        if not self._paths:
+            return set()
+        try:
+            return {entry.name for entry in os.scandir(self._paths[0])}
+        except OSError:  # not created yet
+            return set()
+
     def changed(self) -> bool:
         """One look: whether a watched directory differs from the last look, or a racy look is due
         again (always False on gs://). A True is reported once: the caller lists after it."""
@@ -83,3 +118,15 @@ class CommitWatch:
                 racy.append(info.st_mtime_ns + _RACY_NS)
         self._seen = tuple(signatures)
         self._settled_ns = max(racy) if racy else None
+
+
+def next_commit_window(commit_times: dict[int, float], step_secs: float) -> tuple[float, float] | None:
+    """(earliest, latest) wall-clock time the next commit is expected: saves come at a cadence (steps or
+    seconds), so one of the last WINDOW_INTERVALS intervals after the newest commit, the shortest to the
+    longest, and half a replay step more (`step_secs`). None before two commits. The spread matters: in
+    the verifier benchmark the intervals vary by about a second, more than a replay step."""
+    times = [commit_times[step] for step in sorted(commit_times)[-WINDOW_INTERVALS - 1:]]
+    intervals = [later - earlier for earlier, later in zip(times, times[1:])]
+    if not intervals:
+        return None
+    return times[-1] + min(intervals), times[-1] + max(intervals) + 0.5 * step_secs
