@@ -163,6 +163,14 @@ def test_a_commits_time_is_its_directorys_rename(tmp_path, checkpoints):
     assert set(times) == {8, 16} and all(before - 1 <= t <= time.time() + 1 for t in times.values()), times
 
 
+def test_only_the_newest_commits_are_timed_in_step_order(tmp_path, checkpoints):
+    watch = CommitWatch(str(tmp_path))
+    for step in (8, 16, 24, 32, 40, 48, 100):  # "100" sorts before "16" by name
+        (checkpoints / str(step)).mkdir()
+    assert sorted(watch.commit_times()) == [24, 32, 40, 48, 100]  # WINDOW_INTERVALS + 1 of them
+    assert sorted(watch.commit_times(newest=2)) == [48, 100]
+
+
 def test_the_next_commit_is_forecast_from_the_spread_of_the_last_intervals():
     window = commit_watch.next_commit_window
     # Intervals 11 and 10 after the commit at 121: the shortest to the longest, and half a step more.
