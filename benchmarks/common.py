@@ -46,6 +46,19 @@ def run_child(module: str, args: list[str], *, devices: int = 8, timeout_secs: f
     return json.loads(lines[-1])
 
 
+def fresh_memory_fill_secs(mib: int = 256) -> float:
+    """Seconds a new process takes to fill `mib` MiB it never touched (np.ones, after numpy's import).
+
+    On a VM whose host takes back the memory a guest frees, this moved 20x within minutes (0.05-1.2 s
+    for 260 MB, docs/performance.md), and every relaunch's restore and first steps pay it: a
+    benchmark reports it with its rounds, so a reader can tell the machine's drift from the code's.
+    """
+    code = ("import time, numpy as np; began = time.perf_counter(); "
+            f"np.ones({mib} * 2**20 // 8); print(time.perf_counter() - began)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return float(out.stdout.split()[-1])
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:

@@ -51,9 +51,9 @@ import time
 import psutil
 from absl import app, flags, logging
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, fresh_memory_fill_secs
 from benchmarks.goodput_events import event_report
-from benchmarks.goodput_report import report, summarise, targets
+from benchmarks.goodput_report import fill_report, report, summarise, targets
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
 SAVE_EVERY_STEPS = flags.DEFINE_integer("save_every_steps", 10, "Fixed save cadence (service, plain_orbax).")
@@ -250,7 +250,7 @@ def main(argv: list[str]) -> None:
     if "service_auto" in VARIANTS.value:
         require_auto_interval()
     local_root = tempfile.mkdtemp(prefix="goodput-local-", dir=LOCAL_ROOT.value) if LOCAL_ROOT.value else ""
-    rounds, schedule = [], []
+    rounds, schedule, fills = [], [], []
     try:
         if PERSISTENT.value == "gcs":
             start_gcs_emulator(os.path.join(root, "gcs-emulator.log"))
@@ -260,6 +260,7 @@ def main(argv: list[str]) -> None:
         for round_ in range(ROUNDS.value):
             round_root = os.path.join(root, f"round{round_}")
             os.makedirs(round_root)
+            fills.append(fresh_memory_fill_secs())  # the machine's state at the round's start (common.py)
             results = {"ideal": run_variant("ideal", round_root, cache_dir, [], deadline)}
             if not schedule:  # drawn once, from the first ideal run: every round and variant gets the same
                 schedule = preemption_schedule(random.Random(SEED.value), results["ideal"]["wall_secs"],
@@ -281,7 +282,8 @@ def main(argv: list[str]) -> None:
     events_table, events = event_report(rounds)
     out.update(events)
     table += "\n\nPer-event costs, measured within each launch (benchmarks/goodput_events.py):\n\n" + events_table
-    out["schedule"] = schedule
+    table += "\n\n" + fill_report(fills, out)
+    out["schedule"], out["fresh_memory_fill_secs_per_round"] = schedule, fills
     out["load_average"] = os.getloadavg()
     sys.stdout.write(table + "\n\n" + "\n".join(targets(out)) + "\n")
     if JSON_OUT.value:

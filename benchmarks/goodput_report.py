@@ -118,6 +118,16 @@ def report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
     return "\n".join(lines), out
 
 
+def fill_report(fills: list[float], out: dict) -> str:
+    """One line: each round's fresh-memory fill time (benchmarks/common.py) beside its implied service /
+    plain Orbax ratio, so a drift of the ratio can be set against the machine's."""
+    service, plain = out.get("implied_goodput_per_round_service"), out.get("implied_goodput_per_round_plain_orbax")
+    ratios = [s / p for s, p in zip(service, plain)] if service and plain else [None] * len(fills)
+    pairs = [f"{fill:.2f} s" + ("" if ratio is None else f" ({ratio:.3f})") for fill, ratio in zip(fills, ratios)]
+    return (f"A new process filling 256 MiB it never touched, at each round's start (the round's implied service / "
+            f"plain Orbax ratio): {', '.join(pairs)}; median {statistics.median(fills):.2f} s." if fills else "")
+
+
 def targets(out: dict) -> list[str]:
     def check(name: str, left, right, factor: float) -> str:
         if left is None or right is None:
