@@ -26,7 +26,9 @@ interval too:
 Only ratios are judged; both sides come from the same run. Each round runs every variant in an
 order rotated each round, after a sync; every ratio is a ratio of medians. Subprocesses are killed
 by PID when their run ends, fails or times out; each run's workdir is deleted after it, but the
-newest verifier run's (the restore baseline reads it). The header gives other processes' CPU use.
+newest verifier run's (the restore baseline reads it). A run that leaves a step without a passing
+complete verdict stops the benchmark with one line per such step, and keeps that run's logs, verdicts
+and probes (benchmarks/verifier_scan.py). The header gives other processes' CPU use.
 
   PYTHONPATH=. .venv/bin/python -m benchmarks.verifier_bench [--rounds=2] [--steps=40] [--workdir=/tmp]
 """
@@ -45,6 +47,7 @@ import time
 from absl import app, flags, logging
 
 from benchmarks.verifier_pace import LEVELS, ratios, verifier_pace
+from benchmarks.verifier_scan import keep_for_diagnosis, scan, unproved
 from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout, named once
 
 _STEPS = flags.DEFINE_integer("steps", 40, "Training steps per run.")
@@ -113,22 +116,6 @@ def other_cpu_secs() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK") - sum(os.times()[:4])
 
 
-def scan(step_dir: str, verdict_dir: str, commits: dict, verdicts: dict, complete: dict) -> None:
-    """Records when each step directory, its first verdict and its complete verdict are first seen."""
-    now = time.perf_counter()
-    for name in os.listdir(step_dir) if os.path.isdir(step_dir) else ():
-        if name.isdigit():
-            commits.setdefault(int(name), now)
-    for name in os.listdir(verdict_dir) if os.path.isdir(verdict_dir) else ():
-        match = re.fullmatch(r"(\d+)\.json", name)
-        if match and int(match[1]) not in complete:
-            with open(os.path.join(verdict_dir, name)) as f:
-                verdict = json.load(f)  # written atomically: whole or not there
-            verdicts.setdefault(int(match[1]), (now, verdict))
-            if verdict["complete"]:
-                complete[int(match[1])] = (now, verdict)
-
-
 def run_once(run_dir: str, budget: str | None) -> dict:
     """One training run, with a following verifier of --verify_budget=`budget` unless it is None."""
     ckpt = os.path.join(run_dir, "ckpt")
@@ -165,9 +152,11 @@ def run_once(run_dir: str, budget: str | None) -> dict:
         if procs[name].returncode != 0:
             raise RuntimeError(f"{name} exited {procs[name].returncode}; log tail:\n{logs[name][-3000:]}")
     steps_per_sec = float(DONE.findall(logs["train"])[-1])
-    if len(commits) < 2 or budget is not None and (set(commits) - set(complete) or
-                                                  any(v["status"] != "pass" for _, v in complete.values())):
-        raise RuntimeError(f"too few commits, or missing or failing verdicts, in {run_dir}: {commits} {verdicts}")
+    problems = unproved(commits, verdicts, complete) if budget is not None else []
+    if len(commits) < 2 or problems:
+        kept = keep_for_diagnosis(run_dir, ckpt, _WORKDIR.value or "/tmp")
+        raise RuntimeError(f"run {run_dir}: {len(commits)} commits; {'; '.join(problems) or 'too few commits'} "
+                           f"(its logs, verdicts and probes are kept in {kept})")
     logging.info("run %s: %.3f steps/s, commit->verdict %s", run_dir, steps_per_sec,
                  {s: round(verdicts[s][0] - commits[s], 2) for s in commits if s in verdicts})
     steps = [s for s in sorted(commits)[1:] if s in complete]  # the first carries start-up and compiles
