@@ -30,7 +30,7 @@ newest verifier run's (the restore baseline reads it). A run that leaves a step 
 complete verdict stops the benchmark with one line per such step, and keeps that run's logs, verdicts
 and probes (benchmarks/verifier_scan.py). The header gives other processes' CPU use.
 
-  PYTHONPATH=. .venv/bin/python -m benchmarks.verifier_bench [--rounds=2] [--steps=40] [--workdir=/tmp]
+  PYTHONPATH=. .venv/bin/python -m benchmarks.verifier_bench [--rounds=2] [--steps=80] [--workdir=/tmp]
 """
 
 import json
@@ -50,7 +50,8 @@ from benchmarks.verifier_pace import LEVELS, ratios, verifier_pace
 from benchmarks.verifier_scan import keep_for_diagnosis, scan, unproved
 from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout, named once
 
-_STEPS = flags.DEFINE_integer("steps", 40, "Training steps per run.")
+_STEPS = flags.DEFINE_integer("steps", 80, "Training steps per run (80: ten commits, most of them after the "
+                              "verifier's memory stopped growing).")
 _SAVE_EVERY = flags.DEFINE_integer("save_every_steps", 8, "Checkpoint interval (steps).")
 _HIDDEN = flags.DEFINE_integer("hidden_dim", 2752, "mlp hidden width (the state must be >= 256 MiB).")
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "mlp hidden layers.")
@@ -71,8 +72,10 @@ _REPLAY = flags.DEFINE_integer("replay_steps", 100, "The verifier's --replay_ste
 _VERIFIER_CORES = flags.DEFINE_list("verifier_cores", [], "CPUs for the verifier and the plain restore, the trainer "
                                     "taking the others (1 on 2 cores): what sharing the cores costs. Default: "
                                     "every process may run on every core.")
+_VERIFIER_V = flags.DEFINE_integer("verifier_v", 0, "The verifier's absl --v: 1 logs each replayed step, forecast "
+                                   "wait and verdict written, with its time, to its log (kept when a run fails).")
 _RESTORE_REPEATS = flags.DEFINE_integer("restore_repeats", 3, "Plain restores of each measured step.")
-_RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 300, "Kill a run's processes after this long.")
+_RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 600, "Kill a run's processes after this long.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default /tmp), deleted at the end.")
 _RESTORE_CHILD = flags.DEFINE_string("restore_child", None, "Internal: time plain restores of this workdir.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the ratios as a JSON object to this file.")
@@ -126,7 +129,7 @@ def run_once(run_dir: str, budget: str | None) -> dict:
              "--max_to_keep=100"]
     verify = [sys.executable, "-m", "verifier.verify", f"--workdir={ckpt}", f"--mesh={_VERIFIER_MESH.value}",
               "--follow", "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={_REPLAY.value}",
-              f"--verify_budget={budget}"]
+              f"--verify_budget={budget}", f"--v={_VERIFIER_V.value}"]
     commits, verdicts, complete, procs = {}, {}, {}, {}
     dirs = str(step_dir(ckpt, 0).parent), str(verdict_file(ckpt, 0).parent)  # '<step>', '<step>.json' inside
     try:  # the verifier first, so that it is polling by the first commit

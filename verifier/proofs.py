@@ -168,6 +168,8 @@ class StepProofs(ChainProofs):
                                         program_lib.batches_at(held.program, held.input_states, held.input_states))
             held.durations["resume_proof"] = time.perf_counter() - started
         distance = step - self._anchor_step(step, manifest, disk_anchor)
+        logging.vlog(1, "step %d: cheap proof %s; full proof over %d steps next unless not due", step,
+                     "done" if resume is not None else "not run (no probe)", distance)
         if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None):
             return self._resume_verdict(step, held, resume, f"; the full proof is not due ({self._budget.describe()})")
         verdict = self._prove_chain(step, held, self._anchor_for(step, manifest, held.program, disk_anchor))

@@ -153,6 +153,7 @@ class Verifier(StepProofs):
             state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
             secs = time.monotonic() - began
             self._pause_allowance, self._step_secs = self._pause_allowance + PAUSE_SHARE * secs, secs / steps
+            logging.vlog(1, "replayed steps %d..%d in %.2fs", first, first + steps - 1, secs)
             losses.update(chunk)
             # After the last chunk too: what follows it (a probe's marked step, the state's comparison) is
             # still a wait for a commit made meanwhile.
@@ -174,6 +175,8 @@ class Verifier(StepProofs):
         began = time.monotonic()
         watch.wait_for_commit(max(commits), min(self._pause_allowance, window[1] - now), self._stop)
         self._pause_allowance -= time.monotonic() - began
+        logging.vlog(1, "waited %.2fs for a forecast commit (window %.2f..%.2fs ahead; allowance left %.2fs)",
+                     time.monotonic() - began, window[0] - now, window[1] - now, self._pause_allowance)
 
     def _chunk_steps(self) -> int:
         """Replayed steps between two looks for new commits (the same on every process)."""
@@ -215,6 +218,8 @@ class Verifier(StepProofs):
         if jax.process_index() != 0:
             return
         verdicts.write(self.options.workdir, verdict)
+        logging.vlog(1, "wrote the %s verdict of step %d (%s)", "complete" if verdict["complete"] else "first",
+                     verdict["step"], verdict["level"])
         if verdict["complete"]:
             logging.log(logging.ERROR if verdict["status"] == "fail" else logging.INFO,
                         "verdict step %d: %s %s: %s", verdict["step"], verdict["level"], verdict["status"],
