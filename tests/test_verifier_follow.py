@@ -8,6 +8,7 @@ import time
 import pytest
 
 from checkpointing import verdicts
+from checkpointing.workdir import read_manifest
 from tests import helpers
 from tests.tamper import RUN
 from tests.verifier_recording import RecordingVerifier
@@ -223,7 +224,9 @@ def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before
 def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_share(workdir, trained, monkeypatch):
     # A commit forecast that does not come (the trainer died, or changed its cadence): the verifier waits
     # for it between replayed steps, but in all no longer than PAUSE_SHARE of its replay time.
-    forecast_due_until(monkeypatch, last_step=40)  # the run ends at 30
+    forecast_due_until(monkeypatch, last_step=40)
+    # The run stopped at 20 (30 not committed): after its final save (30) no commit is forecast at all.
+    os.rename(helpers.checkpoint_dir(workdir, "30"), helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1"))
     waited, replayed = [], []
     real_wait = verifier_module.CommitWatch.wait_for_commit
 
@@ -235,10 +238,24 @@ def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_sha
     monkeypatch.setattr(verifier_module.CommitWatch, "wait_for_commit", wait_for_commit)
     replaying_through(monkeypatch, lambda first, secs: replayed.append(secs))
     verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
-    verifier.follow(threading.Event(), until_step=30)
+    verifier.follow(threading.Event(), until_step=20)
     assert waited, "the verifier never waited for the forecast commit"
     # One wait may overrun the allowance by a scheduler's wake-up: the slack, not a speed requirement.
     assert sum(waited) <= verifier_module.PAUSE_SHARE * sum(replayed) + 0.5, (sum(waited), sum(replayed))
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20)] == ["reproduced"] * 2
+
+
+def test_no_commit_is_forecast_once_the_runs_final_save_is_committed(workdir, trained, monkeypatch):
+    # The forecast says a commit is due throughout, but step 30 is the run's final save and is committed
+    # from the start: nothing can follow it, so the replays of 10, 20 and 30 never wait (the verifier
+    # benchmark's final verdicts waited 7 s for a commit after the last).
+    assert read_manifest(workdir, 30)["reason"] == "final"
+    forecast_due_until(monkeypatch, last_step=40)
+    waited = []
+    monkeypatch.setattr(verifier_module.CommitWatch, "wait_for_commit", lambda self, *args: waited.append(args))
+    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
+    verifier.follow(threading.Event(), until_step=30)
+    assert waited == []
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
 
 

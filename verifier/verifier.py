@@ -14,6 +14,7 @@ Between replayed steps, a replay that may not end before the next commit's forec
 next_commit_window) waits for that commit instead, to the window's end, at most PAUSE_SHARE of its replay
 time in all: the commit's intact proof then finds the verifier's devices free, instead of waiting for the
 replay step in progress (0.7-0.9 s on one CPU core in the verifier benchmark, against a 0.4 s restore).
+Once the run's final save is committed no commit is forecast (a wait for one cost its replay up to 7 s).
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
@@ -60,6 +61,7 @@ class Verifier(StepProofs):
         self._watch: CommitWatch | None = None  # --follow, process 0: what tells it the workdir changed
         self._pause_allowance = 0.0  # process 0: seconds a replay may still wait for commits
         self._step_secs: float | None = None  # process 0: the last replayed chunk's time per step
+        self._newest_final: tuple[int, bool] | None = None  # process 0: (newest commit, whether the run's last)
 
     def pending_steps(self) -> list[int]:
         return self._pending_and_proved()[0]
@@ -169,6 +171,8 @@ class Verifier(StepProofs):
         if watch is None or self._pause_allowance <= 0 or self._step_secs is None:
             return
         commits = watch.commit_times()
+        if commits and self._is_final(max(commits)):  # no commit follows the run's last save
+            return
         window, now = next_commit_window(commits, self._step_secs), time.time()
         if window is None or now + self._step_secs < window[0] or now >= window[1]:
             return
@@ -177,6 +181,16 @@ class Verifier(StepProofs):
         self._pause_allowance -= time.monotonic() - began
         logging.vlog(1, "waited %.2fs for a forecast commit (window %.2f..%.2fs ahead; allowance left %.2fs)",
                      time.monotonic() - began, window[0] - now, window[1] - now, self._pause_allowance)
+
+    def _is_final(self, step: int) -> bool:
+        """Process 0: whether `step` is the run's final save (its manifest read once per newest commit)."""
+        if self._newest_final is None or self._newest_final[0] != step:
+            try:
+                final = read_manifest(self.options.workdir, step).get("reason") == "final"
+            except CheckpointError:  # unreadable: its verdict will say so; forecast as before
+                final = False
+            self._newest_final = (step, final)
+        return self._newest_final[1]
 
     def _chunk_steps(self) -> int:
         """Replayed steps between two looks for new commits (the same on every process)."""
