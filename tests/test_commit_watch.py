@@ -182,39 +182,10 @@ def test_the_next_commit_is_forecast_from_the_spread_of_the_last_intervals():
     assert window({8: 100.0}, step_secs=0.8) is None and window({}, step_secs=0.8) is None
 
 
-def test_a_save_in_flight_is_a_later_steps_tmp_directory_timed_by_its_creation(tmp_path, checkpoints):
-    watch = CommitWatch(str(tmp_path))
-    (checkpoints / "8").mkdir()
-    assert watch.save_in_flight(8) is None
-    before = time.time()
-    (checkpoints / "16.orbax-checkpoint-tmp-1700000000").mkdir()
-    began = watch.save_in_flight(8)
-    assert began is not None and before - 1 <= began <= time.time() + 1, began
-    assert watch.save_in_flight(None) == began
-    assert watch.save_in_flight(16) is None  # not a step above 16
-    (checkpoints / "16.orbax-checkpoint-tmp-1700000000").rename(checkpoints / "16")  # its commit
-    assert watch.save_in_flight(8) is None
-
-
-def test_a_save_being_written_is_waited_for_within_the_allowance_unless_stale():
-    wait_until = commit_watch.commit_wait_until
-    steady = {8: 100.0, 16: 110.0, 24: 120.0}  # the forecast window: 130.0 .. 130.4
-    # A save begun 0.5 s ago: its commit is next, whatever the forecast says (here: nothing due until 130).
-    until, why = wait_until(steady, save_began=121.5, step_secs=0.8, now=122.0, allowance=2.5)
-    assert until == 124.5 and "in flight" in why
-    # Begun STALE_SAVE_SECS ago or more: a killed trainer's leftover; only the forecast decides.
-    stale = 122.0 - commit_watch.STALE_SAVE_SECS
-    assert wait_until(steady, save_began=stale, step_secs=0.8, now=122.0, allowance=2.5) is None
-    assert wait_until(steady, save_began=stale, step_secs=0.8, now=129.5, allowance=2.5)[0] == 130.4
-    assert wait_until(steady, save_began=None, step_secs=0.8, now=129.0, allowance=2.5) is None  # opens later
-    assert wait_until(steady, save_began=None, step_secs=0.8, now=130.5, allowance=2.5) is None  # closed
-
-
 def test_a_gcs_workdir_is_not_watched_and_waits_out_the_backoff():
     watch = CommitWatch("gs://bucket/run")
     assert not watch.watching
     assert watch.commit_times() == {}
-    assert watch.save_in_flight(None) is None
     started = time.monotonic()
     assert watch.wait(0.2, threading.Event()) is False
     assert time.monotonic() - started >= 0.2

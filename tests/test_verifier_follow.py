@@ -12,7 +12,6 @@ from checkpointing.workdir import read_manifest
 from tests import helpers
 from tests.tamper import RUN
 from tests.verifier_recording import RecordingVerifier
-from verifier import commit_watch
 from verifier import verifier as verifier_module
 from verifier.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
 
@@ -196,7 +195,7 @@ def forecast_due_until(monkeypatch, last_step, open_secs=600.0):
     def window(times, step_secs):
         return None if last_step in times else (time.time() - 1.0, time.time() + open_secs)
 
-    monkeypatch.setattr(commit_watch, "next_commit_window", window)
+    monkeypatch.setattr(verifier_module, "next_commit_window", window)
 
 
 def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before_the_next_replayed_step(
@@ -205,47 +204,29 @@ def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before
     # during step 10's replay. Between replayed steps the verifier waits for it (here with allowance to
     # spare), so step 30's intact proof runs as soon as it commits, before step 10's replay goes on: no
     # replayed step ends between the commit and step 30's first verdict, and step 10's replay is not over.
-    # Step 30 waits outside checkpoints/, so that no save is seen in flight: the forecast alone decides.
     monkeypatch.setattr(verifier_module, "PAUSE_SHARE", 1000.0)
     forecast_due_until(monkeypatch, last_step=30)
-    events = replay_with_a_commit_during_step_10s(workdir, monkeypatch, os.path.join(workdir, "30.elsewhere"))
-    assert_proved_intact_before_the_next_replayed_step(events)
-    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
-
-
-def test_a_replay_waits_for_a_save_being_written_without_a_forecast(workdir, trained, monkeypatch):
-    # No forecast window opens (the trained copy's commits carry one time), but step 30's save is being
-    # written (Orbax's tmp directory) while step 10 replays: its commit is next, so the verifier waits for it.
-    monkeypatch.setattr(verifier_module, "PAUSE_SHARE", 1000.0)
-    events = replay_with_a_commit_during_step_10s(
-        workdir, monkeypatch, helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000"))
-    assert_proved_intact_before_the_next_replayed_step(events)
-    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
-
-
-def replay_with_a_commit_during_step_10s(workdir, monkeypatch, hidden) -> list:
-    """Follows the trained copy with step 30 moved to `hidden`, committed 0.2 s into step 10's replay."""
     committed = helpers.checkpoint_dir(workdir, "30")
-    os.rename(committed, hidden)
-    verifier = CommitDueDuringFirstChunk(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), hidden, committed)
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    os.rename(committed, in_flight)
+    verifier = CommitDueDuringFirstChunk(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight,
+                                         committed)
     replaying_through(monkeypatch, lambda first, secs: verifier.chunk_ended(first))
     verifier.follow(threading.Event(), until_step=30)
-    return verifier.events
-
-
-def assert_proved_intact_before_the_next_replayed_step(events: list) -> None:
+    events = verifier.events
     commit, first_verdict = events.index(("committed", 30)), events.index(("intact", 30))
     assert commit < first_verdict, events
     assert [e for e in events[commit:first_verdict] if e[0] == "chunk"] == [], events
     assert ("chunk", 9) in events[first_verdict:], f"step 10's replay was over before the commit: {events}"
+    assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
 
 
 def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_share(workdir, trained, monkeypatch):
     # A commit forecast that does not come (the trainer died, or changed its cadence): the verifier waits
     # for it between replayed steps, but in all no longer than PAUSE_SHARE of its replay time.
     forecast_due_until(monkeypatch, last_step=40)
-    # The run stopped at 20 (30 moved away, not in flight): after its final save (30) no commit is awaited.
-    os.rename(helpers.checkpoint_dir(workdir, "30"), os.path.join(workdir, "30.elsewhere"))
+    # The run stopped at 20 (30 not committed): after its final save (30) no commit is forecast at all.
+    os.rename(helpers.checkpoint_dir(workdir, "30"), helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1"))
     waited, replayed = [], []
     real_wait = verifier_module.CommitWatch.wait_for_commit
 

@@ -13,11 +13,10 @@ mtimes: there only the backoff runs, as before.
 
 Only process 0 watches (verifier/verifier.py): it decides when every process lists again. It also
 tells when each commit landed, from which a replay forecasts the next and leaves the verifier's devices
-free for it (next_commit_window), and whether a save is being written (save_in_flight): its commit is next.
+free for it (next_commit_window).
 """
 
 import os
-import re
 import threading
 import time
 
@@ -30,11 +29,7 @@ TICK_SECS = 0.015  # one stat per directory per tick: a commit is noticed within
 # after its change is checked once more when RACY_SECS have passed (git's "racily clean" rule).
 RACY_SECS = 1.0
 WINDOW_INTERVALS = 4  # the commit intervals a forecast looks back on (next_commit_window)
-# A save still being written this long after it began is taken for one whose trainer was killed: a replay no
-# longer waits for its commit (Orbax's tmp directory stays until the trainer's next start removes it).
-STALE_SAVE_SECS = 60.0
 _RACY_NS = int(RACY_SECS * 1e9)
-_IN_FLIGHT = re.compile(r"(\d+)\.orbax-checkpoint-tmp")  # a save being written (Orbax's step.py names it so)
 
 # (st_mtime_ns, st_ino, st_size, st_ctime_ns) of each watched directory; None where it does not exist
 # yet (the verifier may start before the trainer creates it).
@@ -80,20 +75,6 @@ class CommitWatch:
             except OSError:  # deleted meanwhile (retention)
                 continue
         return times
-
-    def save_in_flight(self, newer_than: int | None) -> float | None:
-        """The wall-clock time the newest save of a step above `newer_than` began, while it is still being
-        written (Orbax writes `<step>.orbax-checkpoint-tmp-*` and renames it at the commit); None if none
-        is (always on gs://, where a save has no such directory)."""
-        began = []
-        for name in self._checkpoint_names():
-            match = _IN_FLIGHT.match(name)
-            if match and (newer_than is None or int(match[1]) > newer_than):
-                try:
-                    began.append(os.stat(os.path.join(self._paths[0], name)).st_ctime)
-                except OSError:  # committed (renamed) or cleaned up meanwhile
-                    continue
-        return max(began, default=None)
 
     def wait_for_commit(self, newer_than: int | None, timeout_secs: float, stop: threading.Event) -> None:
         """Returns once a step above `newer_than` is committed, `timeout_secs` passed or `stop` is set."""
@@ -149,17 +130,3 @@ def next_commit_window(commit_times: dict[int, float], step_secs: float) -> tupl
     if not intervals:
         return None
     return times[-1] + min(intervals), times[-1] + max(intervals) + 0.5 * step_secs
-
-
-def commit_wait_until(commit_times: dict[int, float], save_began: float | None, step_secs: float, now: float,
-                      allowance: float) -> tuple[float, str] | None:
-    """(until when, why) a replay should wait for the next commit before its next step, or None: while a save
-    is being written (begun at `save_began`, less than STALE_SAVE_SECS ago; its commit is next, whatever
-    the forecast), up to the `allowance`; else if the forecast window opens before a replay step of
-    `step_secs` would end, to the window's end."""
-    if save_began is not None and now - save_began < STALE_SAVE_SECS:
-        return now + allowance, f"a save in flight for {now - save_began:.2f}s"
-    window = next_commit_window(commit_times, step_secs)
-    if window is None or now + step_secs < window[0] or now >= window[1]:
-        return None
-    return window[1], f"a forecast commit (window {window[0] - now:.2f}..{window[1] - now:.2f}s ahead)"

@@ -14,9 +14,7 @@ Between replayed steps, a replay that may not end before the next commit's forec
 next_commit_window) waits for that commit instead, to the window's end, at most PAUSE_SHARE of its replay
 time in all: the commit's intact proof then finds the verifier's devices free, instead of waiting for the
 replay step in progress (0.7-0.9 s on one CPU core in the verifier benchmark, against a 0.4 s restore).
-A save being written (Orbax's tmp directory) is waited for too, within the same allowance: its commit is
-next, whatever the forecast said. Once the run's final save is committed no commit is awaited (a wait for
-one cost its replay up to 7 s).
+Once the run's final save is committed no commit is forecast (a wait for one cost its replay up to 7 s).
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
@@ -31,7 +29,7 @@ from checkpointing.errors import CheckpointError
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
-from verifier.commit_watch import CommitWatch, commit_wait_until
+from verifier.commit_watch import CommitWatch, next_commit_window
 from verifier.proofs import HeldStep, StepProofs, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
@@ -166,25 +164,23 @@ class Verifier(StepProofs):
         return state, losses
 
     def _keep_free_for_a_commit(self) -> None:
-        """Process 0, between replayed steps: waits for the next commit if it is near (commit_watch.
-        commit_wait_until: a save being written, or a forecast window about to open), within the allowance
-        (a commit that never comes costs at most PAUSE_SHARE of the replay time)."""
+        """Process 0, between replayed steps: if the next commit's forecast window opens before the next
+        replayed step would end, waits for that commit, at most to the window's end and within the
+        allowance (a forecast commit that never comes costs at most PAUSE_SHARE of the replay time)."""
         watch = self._watch
         if watch is None or self._pause_allowance <= 0 or self._step_secs is None:
             return
         commits = watch.commit_times()
-        newest = max(commits, default=None)
-        if newest is not None and self._is_final(newest):  # no commit follows the run's last save
+        if commits and self._is_final(max(commits)):  # no commit follows the run's last save
             return
-        now = time.time()
-        wait = commit_wait_until(commits, watch.save_in_flight(newest), self._step_secs, now, self._pause_allowance)
-        if wait is None:
+        window, now = next_commit_window(commits, self._step_secs), time.time()
+        if window is None or now + self._step_secs < window[0] or now >= window[1]:
             return
         began = time.monotonic()
-        watch.wait_for_commit(newest, min(self._pause_allowance, wait[0] - now), self._stop)
+        watch.wait_for_commit(max(commits), min(self._pause_allowance, window[1] - now), self._stop)
         self._pause_allowance -= time.monotonic() - began
-        logging.vlog(1, "waited %.2fs for %s; allowance left %.2fs", time.monotonic() - began, wait[1],
-                     self._pause_allowance)
+        logging.vlog(1, "waited %.2fs for a forecast commit (window %.2f..%.2fs ahead; allowance left %.2fs)",
+                     time.monotonic() - began, window[0] - now, window[1] - now, self._pause_allowance)
 
     def _is_final(self, step: int) -> bool:
         """Process 0: whether `step` is the run's final save (its manifest read once per newest commit)."""
@@ -221,11 +217,12 @@ class Verifier(StepProofs):
                 self._intact_only.add(step)
 
     def _changed_or_commit_awaited(self) -> bool:
-        """Process 0: whether to list again, after waiting for a commit that is near (_keep_free_for_a_commit;
-        a save that began since the last look changed the workdir too, and its commit is what to wait for)."""
-        changed = self._workdir_changed()
+        """Process 0: whether to list again; when nothing landed since its last look, first waits for a
+        commit that is near (_keep_free_for_a_commit)."""
+        if self._workdir_changed():
+            return True
         self._keep_free_for_a_commit()
-        return self._workdir_changed() or changed
+        return self._workdir_changed()
 
     def _workdir_changed(self) -> bool:
         """Process 0: whether a listing may find something new (no watch, or gs://: always)."""
