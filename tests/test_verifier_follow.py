@@ -225,7 +225,7 @@ def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_sha
     # A commit forecast that does not come (the trainer died, or changed its cadence): the verifier waits
     # for it between replayed steps, but in all no longer than PAUSE_SHARE of its replay time.
     forecast_due_until(monkeypatch, last_step=40)
-    # The run stopped at 20 (30 not committed): after its final save (30) no commit is forecast at all.
+    # The run stopped at 20 (30 not committed; had it been, the run's final save would end the forecast).
     os.rename(helpers.checkpoint_dir(workdir, "30"), helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1"))
     waited, replayed = [], []
     real_wait = verifier_module.CommitWatch.wait_for_commit
