@@ -67,7 +67,7 @@ class Checkpointer:
         self.workdir = str(workdir)
         self.total_steps = total_steps
         self.mesh = mesh
-        run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program)
+        run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program, total_steps=total_steps)
         self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run,  # refusals change nothing
                                                          total_steps=total_steps)
         if self._candidates:  # another process count, or an iterator saved but not passed: refused here

@@ -73,6 +73,7 @@ _OPTIONAL: dict[str, Any] = {
     "program": lambda v: isinstance(v, str) and v.count(":") == 1,
     "init_from": lambda v: isinstance(v, dict) and isinstance(v.get("workdir"), str)
     and isinstance(v.get("step"), int) and not isinstance(v.get("step"), bool) and isinstance(v.get("digest"), str),
+    "total_steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,  # the run's last step
 }
 
 
@@ -116,7 +117,7 @@ def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], l
     if extra:  # optional, so older manifests stay valid; covered by the digest like every field
         manifest["extra"] = dict(extra)
     manifest.update(tier_fields or {})  # absent on persistent steps, so their manifests are as before
-    manifest.update({k: v for k, v in (identity_fields or {}).items() if v})  # program, init_from
+    manifest.update({k: v for k, v in (identity_fields or {}).items() if v})  # program, init_from, total_steps
     manifest["digest"] = digest(manifest)
     validate(manifest)
     return manifest

@@ -17,6 +17,7 @@ class RunMetadata:
     mesh: dict[str, int]
     program: str | None = None  # "package.module:factory" the verifier replays with (checkpointing/replay.py)
     init_from: dict | None = None  # {"workdir", "step", "digest"}: the other run's step this one started from
+    total_steps: int | None = None  # the run's last step: the verifier knows the final save while it is written
 
     @classmethod
     def of_run(cls, config: dict, fixed: Iterable[str], mesh: dict[str, int], **identity) -> "RunMetadata":

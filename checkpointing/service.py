@@ -145,7 +145,7 @@ class CheckpointService:
                 step=step, leaves=leaves, fingerprints=ints, losses=losses,
                 config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
                 reason=reason, extra=extra, tier_fields=tier_fields,
-                identity_fields={"program": run.program, "init_from": run.init_from})
+                identity_fields={"program": run.program, "init_from": run.init_from, "total_steps": run.total_steps})
 
         started = time.perf_counter()
         self._manager.background_failure = None  # any earlier one was raised by check_for_errors above

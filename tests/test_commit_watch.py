@@ -171,6 +171,17 @@ def test_only_the_newest_commits_are_timed_in_step_order(tmp_path, checkpoints):
     assert sorted(watch.commit_times(newest=2)) == [48, 100]
 
 
+def test_the_saves_being_written_are_orbaxs_tmp_directories(tmp_path, checkpoints):
+    watch = CommitWatch(str(tmp_path))
+    assert watch.in_flight_steps() == set()
+    for name in ("8", "16.orbax-checkpoint-tmp-1700000000", "80.orbax-checkpoint-tmp-1700000001", "notes"):
+        (checkpoints / name).mkdir()
+    assert watch.in_flight_steps() == {16, 80}
+    os.rename(checkpoints / "80.orbax-checkpoint-tmp-1700000001", checkpoints / "80")  # committed
+    assert watch.in_flight_steps() == {16}
+    assert CommitWatch("gs://bucket/run").in_flight_steps() == set()
+
+
 def test_the_next_commit_is_forecast_from_the_spread_of_the_last_intervals():
     window = commit_watch.next_commit_window
     # Intervals 11 and 10 after the commit at 121: the shortest to the longest, and half a step more.

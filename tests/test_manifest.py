@@ -17,10 +17,13 @@ from checkpointing.errors import CorruptCheckpointError, ManifestError
 from checkpointing.workdir import read_manifest
 
 
+_BUILD = dict(step=10, leaves={".w": {"shape": [2], "dtype": "float32"}}, fingerprints={".w": 7},
+              losses={8: 0.5, 9: 0.25}, config={"seed": 0}, fixed_hash="h", fixed_fields={"seed": 0},
+              mesh={"data": 8}, reason="interval")
+
+
 def _manifest():
-    return manifest_lib.build(step=10, leaves={".w": {"shape": [2], "dtype": "float32"}}, fingerprints={".w": 7},
-                              losses={8: 0.5, 9: 0.25}, config={"seed": 0}, fixed_hash="h", fixed_fields={"seed": 0},
-                              mesh={"data": 8}, reason="interval")
+    return manifest_lib.build(**_BUILD)
 
 
 def write(workdir: str, step: int, text: str) -> None:
@@ -59,6 +62,9 @@ def test_build_records_what_a_resume_and_a_proof_need():
     assert manifest["leaves"] == {".w": {"shape": [2], "dtype": "float32", "fingerprint": 7}}
     assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint"} == set(manifest["versions"])
     assert manifest["process_count"] == 1 and manifest["reason"] == "interval" and "extra" not in manifest
+    assert "total_steps" not in manifest  # optional: a manifest without it is as before
+    with_total = manifest_lib.build(**{**_BUILD, "identity_fields": {"total_steps": 80}})
+    assert with_total["total_steps"] == 80 and manifest_lib.validate(copy.deepcopy(with_total)) == with_total
 
 
 def test_versions_are_the_installed_ones_and_each_manifest_has_its_own_copy():
@@ -88,6 +94,8 @@ def _resealed(edit):
     (_resealed(lambda m: m["losses"].update({"9": math.inf})), "field 'losses' has an invalid value"),
     (_resealed(lambda m: m["leaves"][".w"].pop("fingerprint")), "field 'leaves' has an invalid value"),
     (_resealed(lambda m: m["leaves"][".w"].update(shape=[2.0])), "field 'leaves' has an invalid value"),
+    (_resealed(lambda m: m.update(total_steps="80")), "field 'total_steps' has an invalid value"),
+    (_resealed(lambda m: m.update(total_steps=0)), "field 'total_steps' has an invalid value"),
 ])
 def test_the_schema_names_the_field_that_is_wrong(broken, message):
     with pytest.raises(ManifestError) as refused:

@@ -12,6 +12,9 @@ from checkpointing.workdir import read_manifest
 from tests import helpers
 from tests.tamper import RUN
 from tests.verifier_recording import RecordingVerifier
+from verifier import forecast as forecast_module
+from verifier.commit_watch import CommitWatch
+from verifier.forecast import CommitForecast
 from verifier import verifier as verifier_module
 from verifier.verifier import HELD_STATES, REPLAY_CHUNK_STEPS, Verifier, VerifierOptions
 
@@ -155,13 +158,16 @@ class CommitDueDuringFirstChunk(RecordingVerifier):
 
     COMMIT_DELAY_SECS = 0.2
 
-    def __init__(self, options, hidden, committed):
+    def __init__(self, options, hidden, committed, save_starts=None):
         super().__init__(options)
         self.moves, self.events, self.committer = (hidden, committed), [], None
+        self.save_starts = save_starts  # (outside checkpoints/, the tmp directory): moved in as the chunk ends
 
     def chunk_ended(self, first_step):
         self.events.append(("chunk", first_step))
         if self.committer is None:
+            if self.save_starts:  # the save's tmp directory appears: checkpoints/ changes before the commit
+                os.rename(*self.save_starts)
             self.committer = threading.Thread(target=self._commit_later, daemon=True)
             self.committer.start()
 
@@ -195,22 +201,20 @@ def forecast_due_until(monkeypatch, last_step, open_secs=600.0):
     def window(times, step_secs):
         return None if last_step in times else (time.time() - 1.0, time.time() + open_secs)
 
-    monkeypatch.setattr(verifier_module, "next_commit_window", window)
+    monkeypatch.setattr(forecast_module, "next_commit_window", window)
 
 
-def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before_the_next_replayed_step(
-        workdir, trained, monkeypatch):
-    # Step 30 is due (the forecast, staged here; its own test is in tests/test_commit_watch.py) and commits
-    # during step 10's replay. Between replayed steps the verifier waits for it (here with allowance to
-    # spare), so step 30's intact proof runs as soon as it commits, before step 10's replay goes on: no
-    # replayed step ends between the commit and step 30's first verdict, and step 10's replay is not over.
-    monkeypatch.setattr(verifier_module, "PAUSE_SHARE", 1000.0)
-    forecast_due_until(monkeypatch, last_step=30)
+def assert_step_30_committed_during_step_10s_replay_is_proved_intact_before_its_next_replayed_step(
+        workdir, monkeypatch, save_starts_then=False):
+    """Step 30's save is in flight until step 10's first replayed step ends (`save_starts_then`: it starts
+    there), then commits: no replayed step may end between its commit and its first verdict, and step 10's
+    replay is not over by then."""
     committed = helpers.checkpoint_dir(workdir, "30")
     in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
-    os.rename(committed, in_flight)
+    outside = os.path.join(workdir, "step-30-not-started")
+    os.rename(committed, outside if save_starts_then else in_flight)
     verifier = CommitDueDuringFirstChunk(VerifierOptions(workdir=workdir, mesh=(("data", 8),)), in_flight,
-                                         committed)
+                                         committed, save_starts=(outside, in_flight) if save_starts_then else None)
     replaying_through(monkeypatch, lambda first, secs: verifier.chunk_ended(first))
     verifier.follow(threading.Event(), until_step=30)
     events = verifier.events
@@ -219,6 +223,17 @@ def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before
     assert [e for e in events[commit:first_verdict] if e[0] == "chunk"] == [], events
     assert ("chunk", 9) in events[first_verdict:], f"step 10's replay was over before the commit: {events}"
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+def test_a_replay_waits_for_a_forecast_commit_so_its_intact_verdict_comes_before_the_next_replayed_step(
+        workdir, trained, monkeypatch):
+    # Step 30 is due (the forecast, staged here; its own test is in tests/test_commit_watch.py) and commits
+    # during step 10's replay. Between replayed steps the verifier waits for it (here with allowance to
+    # spare), so step 30's intact proof runs as soon as it commits, before step 10's replay goes on: no
+    # replayed step ends between the commit and step 30's first verdict, and step 10's replay is not over.
+    monkeypatch.setattr(forecast_module, "PAUSE_SHARE", 1000.0)
+    forecast_due_until(monkeypatch, last_step=30)
+    assert_step_30_committed_during_step_10s_replay_is_proved_intact_before_its_next_replayed_step(workdir, monkeypatch)
 
 
 def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_share(workdir, trained, monkeypatch):
@@ -241,7 +256,7 @@ def test_a_forecast_commit_that_never_comes_costs_a_replay_at_most_its_pause_sha
     verifier.follow(threading.Event(), until_step=20)
     assert waited, "the verifier never waited for the forecast commit"
     # One wait may overrun the allowance by a scheduler's wake-up: the slack, not a speed requirement.
-    assert sum(waited) <= verifier_module.PAUSE_SHARE * sum(replayed) + 0.5, (sum(waited), sum(replayed))
+    assert sum(waited) <= forecast_module.PAUSE_SHARE * sum(replayed) + 0.5, (sum(waited), sum(replayed))
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20)] == ["reproduced"] * 2
 
 
@@ -268,3 +283,40 @@ def test_without_a_forecast_window_a_replay_never_waits(workdir, trained, monkey
     verifier.follow(threading.Event(), until_step=30)
     assert waited == []
     assert [verdicts.read_all(workdir)[step]["level"] for step in (10, 20, 30)] == ["reproduced"] * 3
+
+
+def test_the_runs_final_save_being_written_is_waited_for_though_no_forecast_says_it_is_due(
+        workdir, trained, monkeypatch):
+    # The final save commits sooner than the cadence says (no training competes with its write), so no
+    # forecast is due here; but step 30 is the run's last (its manifests' total_steps) and its save is being
+    # written, so between replayed steps the verifier waits for it: its intact proof runs once it commits,
+    # before step 10's replay goes on. The save starts during that replay: its tmp directory changing
+    # checkpoints/ is no commit to list first (the benchmark's final commits came inside replay steps so).
+    assert {read_manifest(workdir, step).get("total_steps") for step in (10, 20, 30)} == {30}
+    monkeypatch.setattr(forecast_module, "PAUSE_SHARE", 1000.0)
+    monkeypatch.setattr(forecast_module, "next_commit_window", lambda times, step_secs: None)
+    assert_step_30_committed_during_step_10s_replay_is_proved_intact_before_its_next_replayed_step(
+        workdir, monkeypatch, save_starts_then=True)
+
+
+def test_a_save_starting_does_not_skip_the_wait_for_the_runs_final_save(workdir, trained):
+    # The final save's tmp directory appearing changes checkpoints/, like a commit. Taken for one, it
+    # skipped the wait: the verifier listed (nothing new), started a replay step, and the commit landed
+    # inside it (the benchmark's final first verdicts, 0.8-2.1 s). Between replayed steps, process 0's look
+    # must come back only once step 30 is committed.
+    committed = helpers.checkpoint_dir(workdir, "30")
+    in_flight = helpers.checkpoint_dir(workdir, "30.orbax-checkpoint-tmp-1700000000")
+    outside = os.path.join(workdir, "step-30-not-started")
+    os.rename(committed, outside)
+    verifier = Verifier(VerifierOptions(workdir=workdir, mesh=(("data", 8),)))
+    verifier._watch = CommitWatch(workdir)  # what follow() sets up on process 0
+    verifier._forecast = CommitForecast(workdir, verifier._watch)
+    verifier._forecast.replayed(secs=30.0, steps=1)  # an allowance far beyond the wait
+    os.rename(outside, in_flight)  # the final save starts
+    commit = threading.Timer(0.5, os.rename, (in_flight, committed))
+    commit.start()
+    try:
+        assert verifier._changed_or_commit_awaited()
+        assert os.path.isdir(committed), "the look came back before the final save committed"
+    finally:
+        commit.join(timeout=10)

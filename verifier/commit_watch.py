@@ -13,7 +13,7 @@ mtimes: there only the backoff runs, as before.
 
 Only process 0 watches (verifier/verifier.py): it decides when every process lists again. It also
 tells when each commit landed, from which a replay forecasts the next and leaves the verifier's devices
-free for it (next_commit_window).
+free for it (next_commit_window, verifier/forecast.py), and which saves are being written.
 """
 
 import os
@@ -29,6 +29,7 @@ TICK_SECS = 0.015  # one stat per directory per tick: a commit is noticed within
 # after its change is checked once more when RACY_SECS have passed (git's "racily clean" rule).
 RACY_SECS = 1.0
 WINDOW_INTERVALS = 4  # the commit intervals a forecast looks back on (next_commit_window)
+IN_FLIGHT_MARK = ".orbax-checkpoint-tmp"  # Orbax's `<step>.orbax-checkpoint-tmp-<time>`: a save being written
 _RACY_NS = int(RACY_SECS * 1e9)
 
 # (st_mtime_ns, st_ino, st_size, st_ctime_ns) of each watched directory; None where it does not exist
@@ -75,6 +76,11 @@ class CommitWatch:
             except OSError:  # deleted meanwhile (retention)
                 continue
         return times
+
+    def in_flight_steps(self) -> set[int]:
+        """Steps whose save is being written (a tmp directory in checkpoints/); always empty on gs://."""
+        steps = (name.partition(".")[0] for name in self._checkpoint_names() if IN_FLIGHT_MARK in name)
+        return {int(step) for step in steps if step.isdigit()}
 
     def wait_for_commit(self, newer_than: int | None, timeout_secs: float, stop: threading.Event) -> None:
         """Returns once a step above `newer_than` is committed, `timeout_secs` passed or `stop` is set."""

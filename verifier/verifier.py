@@ -10,11 +10,9 @@ again (one more restore per new commit for a verifier that is behind, against a 
 waited for whole replays; a backlog found at the start is not restored twice). While idle, --follow
 lists again as soon as a local workdir's checkpoints/ or probes/ changes (verifier/commit_watch.py),
 else after its backoff delay (the only signal on gs://).
-Between replayed steps, a replay that may not end before the next commit's forecast window (commit_watch.
-next_commit_window) waits for that commit instead, to the window's end, at most PAUSE_SHARE of its replay
-time in all: the commit's intact proof then finds the verifier's devices free, instead of waiting for the
-replay step in progress (0.7-0.9 s on one CPU core in the verifier benchmark, against a 0.4 s restore).
-Once the run's final save is committed no commit is forecast (a wait for one cost its replay up to 7 s).
+Between replayed steps, a replay that may not end before the next commit (forecast, or the run's final
+save being written) waits for it instead, within a share of its replay time (verifier/forecast.py): the
+commit's intact proof then finds the verifier's devices free, not behind the replay step in progress.
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
@@ -29,7 +27,8 @@ from checkpointing.errors import CheckpointError
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
-from verifier.commit_watch import CommitWatch, next_commit_window
+from verifier.commit_watch import CommitWatch
+from verifier.forecast import CommitForecast
 from verifier.proofs import HeldStep, StepProofs, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
@@ -40,9 +39,6 @@ HELD_STATES = 2
 # committed step) and proves them intact at once; on a local workdir after every step, where the
 # commit watch makes looking one stat.
 REPLAY_CHUNK_STEPS = 2
-# The share of its replay time a replay may spend waiting for forecast commits: what first verdicts that
-# do not wait for a replay step may cost the full proof's pace.
-PAUSE_SHARE = 0.2
 
 
 class Stopped(Exception):
@@ -59,9 +55,7 @@ class Verifier(StepProofs):
         self._intact_only: set[int] = set()  # proved intact between chunks while HELD_STATES were held: not held
         self._planned: set[int] = set()  # the pending steps of the current plan: any other is a new commit
         self._watch: CommitWatch | None = None  # --follow, process 0: what tells it the workdir changed
-        self._pause_allowance = 0.0  # process 0: seconds a replay may still wait for commits
-        self._step_secs: float | None = None  # process 0: the last replayed chunk's time per step
-        self._newest_final: tuple[int, bool] | None = None  # process 0: (newest commit, whether the run's last)
+        self._forecast: CommitForecast | None = None  # --follow, process 0: when to wait for a commit
 
     def pending_steps(self) -> list[int]:
         return self._pending_and_proved()[0]
@@ -154,7 +148,8 @@ class Verifier(StepProofs):
             began = time.monotonic()
             state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
             secs = time.monotonic() - began
-            self._pause_allowance, self._step_secs = self._pause_allowance + PAUSE_SHARE * secs, secs / steps
+            if self._forecast is not None:
+                self._forecast.replayed(secs, steps)
             logging.vlog(1, "replayed steps %d..%d in %.2fs", first, first + steps - 1, secs)
             losses.update(chunk)
             # After the last chunk too: what follows it (a probe's marked step, the state's comparison) is
@@ -162,35 +157,6 @@ class Verifier(StepProofs):
             if self._intact_between_chunks:
                 self._prove_new_commits_intact(first_chunk=first == start_step)
         return state, losses
-
-    def _keep_free_for_a_commit(self) -> None:
-        """Process 0, between replayed steps: if the next commit's forecast window opens before the next
-        replayed step would end, waits for that commit, at most to the window's end and within the
-        allowance (a forecast commit that never comes costs at most PAUSE_SHARE of the replay time)."""
-        watch = self._watch
-        if watch is None or self._pause_allowance <= 0 or self._step_secs is None:
-            return
-        commits = watch.commit_times()
-        if commits and self._is_final(max(commits)):  # no commit follows the run's last save
-            return
-        window, now = next_commit_window(commits, self._step_secs), time.time()
-        if window is None or now + self._step_secs < window[0] or now >= window[1]:
-            return
-        began = time.monotonic()
-        watch.wait_for_commit(max(commits), min(self._pause_allowance, window[1] - now), self._stop)
-        self._pause_allowance -= time.monotonic() - began
-        logging.vlog(1, "waited %.2fs for a forecast commit (window %.2f..%.2fs ahead; allowance left %.2fs)",
-                     time.monotonic() - began, window[0] - now, window[1] - now, self._pause_allowance)
-
-    def _is_final(self, step: int) -> bool:
-        """Process 0: whether `step` is the run's final save (its manifest read once per newest commit)."""
-        if self._newest_final is None or self._newest_final[0] != step:
-            try:
-                final = read_manifest(self.options.workdir, step).get("reason") == "final"
-            except CheckpointError:  # unreadable: its verdict will say so; forecast as before
-                final = False
-            self._newest_final = (step, final)
-        return self._newest_final[1]
 
     def _chunk_steps(self) -> int:
         """Replayed steps between two looks for new commits (the same on every process)."""
@@ -217,11 +183,11 @@ class Verifier(StepProofs):
                 self._intact_only.add(step)
 
     def _changed_or_commit_awaited(self) -> bool:
-        """Process 0: whether to list again; when nothing landed since its last look, first waits for a
-        commit that is near (_keep_free_for_a_commit)."""
-        if self._workdir_changed():
-            return True
-        self._keep_free_for_a_commit()
+        """Process 0: whether to list again; unless a commit landed since its last look, first waits for a
+        commit that is near (verifier/forecast.py). A save starting also changes checkpoints/ (its tmp
+        directory): that must not skip the wait, or the final save's commit lands inside a replay step."""
+        if self._forecast is not None:
+            self._forecast.keep_free(self._stop)
         return self._workdir_changed()
 
     def _workdir_changed(self) -> bool:
@@ -251,6 +217,7 @@ class Verifier(StepProofs):
         self._intact_between_chunks = True
         # Its first look comes before the first listing: a change after either is seen.
         self._watch = CommitWatch(self.options.workdir) if jax.process_index() == 0 else None
+        self._forecast = CommitForecast(self.options.workdir, self._watch) if self._watch is not None else None
         while not collective.decided_by_primary(stop.is_set):
             # A few steps per pass, then a fresh listing: a new commit waits for at most their proofs.
             fresh = self.verify_pending(max_steps=HELD_STATES)

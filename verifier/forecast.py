@@ -1,0 +1,85 @@
+"""When a replay leaves the verifier's devices free for a commit about to land (process 0, --follow).
+
+A replayed step takes longer than a restore (0.7-0.9 s on one CPU core in the verifier benchmark,
+against 0.4 s), and a commit landing during one waits for it before its intact proof starts. So between
+replayed steps the verifier may wait for the commit instead:
+- a forecast: the next commit's window (commit_watch.next_commit_window) opens before the next replayed
+  step would end; it waits to the window's end at most;
+- the run's final save is being written (an Orbax tmp directory of the manifest's `total_steps`): no
+  training competes with that write, so it commits sooner than the cadence says (0.5-4 s before the
+  window opened in the benchmark), and no replay step is started in front of it.
+All waits together stay within PAUSE_SHARE of the replay time, so a commit that never comes costs a
+replay at most that. Once the run's final save is committed nothing is awaited (a wait then cost a
+replay up to 7 s).
+"""
+
+import threading
+import time
+
+from absl import logging
+
+from checkpointing.errors import CheckpointError
+from checkpointing.workdir import read_manifest
+from verifier.commit_watch import CommitWatch, next_commit_window
+
+# The share of its replay time a replay may spend waiting for commits: what first verdicts that do not wait
+# for a replay step may cost the full proof's pace.
+PAUSE_SHARE = 0.2
+
+
+class CommitForecast:
+    """Process 0's waits for commits between replayed steps, within their allowance."""
+
+    def __init__(self, workdir: str, watch: CommitWatch):
+        self._workdir, self._watch = workdir, watch
+        self._allowance = 0.0  # seconds the replays may still wait
+        self._step_secs: float | None = None  # the last replayed chunk's time per step
+        self._newest: tuple[int, bool, int | None] | None = None  # (newest commit, final?, the run's total_steps)
+        self._looked_at = self._newest_commit(watch.commit_times())  # the newest commit at the last look
+
+    def replayed(self, secs: float, steps: int) -> None:
+        """A chunk of `steps` replayed steps took `secs`: PAUSE_SHARE of it may be spent waiting."""
+        self._allowance += PAUSE_SHARE * secs
+        self._step_secs = secs / steps
+
+    def keep_free(self, stop: threading.Event) -> None:
+        """Between replayed steps: waits for a commit about to land (the module docstring), or returns at once
+        when a commit landed since the last look (it is to be proved first)."""
+        commits = self._watch.commit_times()
+        newest = self._newest_commit(commits)
+        landed, self._looked_at = newest != self._looked_at, newest
+        if landed or self._allowance <= 0 or self._step_secs is None:
+            return
+        final, total_steps = self._newest_manifest(newest)
+        if final:  # no commit follows the run's last save
+            return
+        now = time.time()
+        if total_steps is not None and total_steps in self._watch.in_flight_steps():
+            timeout, why = self._allowance, f"the final save of step {total_steps}, being written"
+        else:
+            window = next_commit_window(commits, self._step_secs)
+            if window is None or now + self._step_secs < window[0] or now >= window[1]:
+                return
+            timeout, why = min(self._allowance, window[1] - now), \
+                f"a forecast commit (window {window[0] - now:.2f}..{window[1] - now:.2f}s ahead)"
+        began = time.monotonic()
+        self._watch.wait_for_commit(newest, timeout, stop)
+        waited = time.monotonic() - began
+        self._allowance -= waited
+        logging.vlog(1, "waited %.2fs for %s; allowance left %.2fs", waited, why, self._allowance)
+
+    @staticmethod
+    def _newest_commit(commits: dict[int, float]) -> int | None:
+        return max(commits) if commits else None
+
+    def _newest_manifest(self, step: int | None) -> tuple[bool, int | None]:
+        """(whether `step` is the run's final save, the run's total_steps): its manifest read once."""
+        if step is None:
+            return False, None
+        if self._newest is None or self._newest[0] != step:
+            try:
+                manifest = read_manifest(self._workdir, step)
+                self._newest = (step, manifest.get("reason") == "final", manifest.get("total_steps"))
+            except CheckpointError:  # unreadable: its verdict will say so; forecast as before
+                self._newest = (step, False, None)
+        return self._newest[1], self._newest[2]
