@@ -3,8 +3,8 @@ the verdicts written (process 0 writes; every process restores and replays, foll
 
 Intact proofs come first, HELD_STATES steps at a time, each step restored once and held for its own
 replay (verifier/proofs.py); under --follow, steps committed during a replay are proved intact
-between its chunks (one step each on a local workdir, REPLAY_CHUNK_STEPS on gs://), so a new
-commit's first verdict does not wait for it. Once HELD_STATES steps are held, a step committed since
+before and between its chunks and after the last (one step each on a local workdir, REPLAY_CHUNK_STEPS
+on gs://), so a new commit's first verdict does not wait for it. Once HELD_STATES steps are held, a step committed since
 the plan was made is still proved intact there, and its state let go: its own replay restores it
 again (one more restore per new commit for a verifier that is behind, against a first verdict that
 waited for whole replays; a backlog found at the start is not restored twice). While idle, --follow
@@ -144,6 +144,10 @@ class Verifier(StepProofs):
         losses, chunk_steps = {}, self._chunk_steps()
         for first in range(start_step, start_step + count, chunk_steps):
             steps = min(chunk_steps, start_step + count - first)
+            # Before every chunk, the first too: a commit made during what came before it (a probe's marked
+            # step, a comparison, a copy: 1-2 s here) is proved now, not after one more replayed step.
+            if self._intact_between_chunks:
+                self._prove_new_commits_intact(first_chunk=first == start_step)
             self._check_stop()
             began = time.monotonic()
             state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
@@ -152,10 +156,10 @@ class Verifier(StepProofs):
                 self._forecast.replayed(secs, steps)
             logging.vlog(1, "replayed steps %d..%d in %.2fs", first, first + steps - 1, secs)
             losses.update(chunk)
-            # After the last chunk too: what follows it (a probe's marked step, the state's comparison) is
-            # still a wait for a commit made meanwhile.
-            if self._intact_between_chunks:
-                self._prove_new_commits_intact(first_chunk=first == start_step)
+        # After the last chunk too: what follows it (a probe's marked step, the state's comparison) is
+        # still a wait for a commit made meanwhile.
+        if self._intact_between_chunks and count > 0:
+            self._prove_new_commits_intact(first_chunk=False)
         return state, losses
 
     def _chunk_steps(self) -> int:
