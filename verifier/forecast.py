@@ -38,8 +38,7 @@ class CommitForecast:
     def __init__(self, workdir: str, watch: CommitWatch):
         self._workdir, self._watch = workdir, watch
         self._allowance = 0.0  # seconds the replays may still wait
-        self._step_secs: float | None = None  # the longest time per step of the last RECENT_CHUNKS chunks
-        self._recent: collections.deque = collections.deque(maxlen=RECENT_CHUNKS)
+        self._recent: collections.deque = collections.deque(maxlen=RECENT_CHUNKS)  # time per step of each chunk
         self._newest: tuple[int, bool, int | None] | None = None  # (newest commit, final?, the run's total_steps)
         self._looked_at = self._newest_commit(watch.commit_times())  # the newest commit at the last look
 
@@ -47,7 +46,11 @@ class CommitForecast:
         """A chunk of `steps` replayed steps took `secs`: PAUSE_SHARE of it may be spent waiting."""
         self._allowance += PAUSE_SHARE * secs
         self._recent.append(secs / steps)
-        self._step_secs = max(self._recent)
+
+    @property
+    def _step_secs(self) -> float | None:
+        """The next replayed step's time: the longest per step of the last RECENT_CHUNKS chunks."""
+        return max(self._recent) if self._recent else None
 
     def keep_free(self, stop: threading.Event) -> None:
         """Between replayed steps: waits for a commit about to land (the module docstring), or returns at once

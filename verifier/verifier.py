@@ -4,8 +4,8 @@ the verdicts written (process 0 writes; every process restores and replays, foll
 Intact proofs come first, HELD_STATES steps at a time, each step restored once and held for its own
 replay (verifier/proofs.py); under --follow, steps committed during a replay are proved intact
 before and between its chunks and after the last (one step each on a local workdir, REPLAY_CHUNK_STEPS
-on gs://), so a new commit's first verdict does not wait for it. Once HELD_STATES steps are held, a step committed since
-the plan was made is still proved intact there, and its state let go: its own replay restores it
+on gs://), so a new commit's first verdict does not wait for it. Once HELD_STATES steps are held, a step
+committed since the plan was made is still proved intact there, and its state let go: its own replay restores it
 again (one more restore per new commit for a verifier that is behind, against a first verdict that
 waited for whole replays; a backlog found at the start is not restored twice). While idle, --follow
 lists again as soon as a local workdir's checkpoints/ or probes/ changes (verifier/commit_watch.py),
