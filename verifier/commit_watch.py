@@ -79,8 +79,20 @@ class CommitWatch:
 
     def in_flight_steps(self) -> set[int]:
         """Steps whose save is being written (a tmp directory in checkpoints/); always empty on gs://."""
-        steps = (name.partition(".")[0] for name in self._checkpoint_names() if IN_FLIGHT_MARK in name)
-        return {int(step) for step in steps if step.isdigit()}
+        return set(self.in_flight_dirs())
+
+    def in_flight_dirs(self) -> dict[int, str]:
+        """{step: its tmp directory} of the saves being written; always empty on gs://."""
+        dirs = {}
+        for name in self._checkpoint_names():
+            step = name.partition(".")[0]
+            if IN_FLIGHT_MARK in name and step.isdigit():
+                dirs[int(step)] = os.path.join(self._paths[0], name)
+        return dirs
+
+    def committed_dir(self, step: int) -> str | None:
+        """A committed step's directory (None on gs://)."""
+        return os.path.join(self._paths[0], str(step)) if self._paths else None
 
     def wait_for_commit(self, newer_than: int | None, timeout_secs: float, stop: threading.Event) -> None:
         """Returns once a step above `newer_than` is committed, `timeout_secs` passed or `stop` is set."""
