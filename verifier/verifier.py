@@ -11,8 +11,9 @@ waited for whole replays; a backlog found at the start is not restored twice). W
 lists again as soon as a local workdir's checkpoints/ or probes/ changes (verifier/commit_watch.py),
 else after its backoff delay (the only signal on gs://).
 Between replayed steps, a replay that may not end before the next commit (the save being written says so,
-or the cadence, or it is the run's final save) waits for it instead, within a share of its replay time (verifier/forecast.py): the
-commit's intact proof then finds the verifier's devices free, not behind the replay step in progress.
+or the cadence, or it is the run's final save) waits for it instead, within a share of its replay time
+(verifier/forecast.py): the commit's intact proof then finds the verifier's devices free, not behind the
+replay step in progress.
 It only reads checkpoints; the one thing it writes is verdicts.
 """
 
