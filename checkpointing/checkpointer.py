@@ -20,10 +20,11 @@ from typing import Callable, Iterable
 
 from checkpointing import input_state
 from checkpointing import lease as lease_lib
+from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.config import CheckpointConfig
+from checkpointing.config import AUTO, CheckpointConfig
 from checkpointing.errors import (BadCheckpointRequest, CheckpointError, LeaseLostError, NoSuchCheckpointError,
                                   WorkdirLeasedError)
 from checkpointing.probe_recorder import ProbeRecorder
@@ -122,13 +123,14 @@ class Checkpointer:
                                                        resumed_manifest=start.manifest, resumed_tier=start.tier),
                             start_step=start.step, end_step=self.total_steps, preemption=self.preemption,
                             watchdog=self.watchdog, local=self.local, carried_losses=carried,
-                            probes=self._probe_recorder(start))
+                            probes=self._probe_recorder(start, abstract_state))
         return start
 
-    def _probe_recorder(self, start: restore_lib.RestoreResult) -> ProbeRecorder | None:
+    def _probe_recorder(self, start: restore_lib.RestoreResult, abstract_state) -> ProbeRecorder | None:
         if not self.options.probe_steps or self.run.program is None:
             return None  # a run the verifier does not replay needs no probes
-        recorder = ProbeRecorder(self.workdir, self.options.probe_steps, self.total_steps, self.run.mesh)
+        on_host = self.options.probe_summaries == AUTO and probes.host_held(abstract_state)
+        recorder = ProbeRecorder(self.workdir, self.options.probe_steps, self.total_steps, self.run.mesh, on_host)
         if start.tier == "persistent":
             recorder.saved(start.step, committed=True)  # if the attempt that saved it died first, this one records it
         return recorder

@@ -13,6 +13,7 @@ AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (ch
 # --save_every_secs's default: `auto` when no step cadence is given (a run always saves), else off.
 BY_STEPS_OR_AUTO = "default"
 RESUME_NAMES = ("latest", "latest_verified", "none")
+PROBE_SUMMARIES = (AUTO, "device")  # --probe_summaries (checkpointing/probes.py)
 
 
 def format_mesh(mesh: Mapping[str, int] | Iterable[tuple[str, int]]) -> str:
@@ -94,6 +95,10 @@ class CheckpointConfig:
     probe_steps: int = option(4, "After each persistent save, record the losses of this many steps and a per-leaf "
                                  "summary of the state after them, for the verifier's cheap proof (the checkpoint "
                                  "resumes the run); 0 records none.", minimum=0)
+    probe_summaries: str = option(AUTO, "Where each probe's per-leaf summaries are computed: 'auto', on the host "
+                                        "where the state already lies in host memory (CPU devices) and process 0 "
+                                        "holds every leaf whole, else on the devices; 'device', always on the "
+                                        "devices (inside the step, when the loop passes its marks).")
     lease_secs: float = option(60.0, "The workdir lease expires this long after its holder's last renewal "
                                      "(renewed every quarter): a restart after a kill on another host waits "
                                      "at most this.", positive=True)
@@ -108,6 +113,9 @@ class CheckpointConfig:
         if config.resume_from not in RESUME_NAMES and not config.resume_from.isdigit():
             raise ConfigError(f"--resume_from must be latest, latest_verified, none or a step number, "
                               f"got {config.resume_from!r}")
+        if config.probe_summaries not in PROBE_SUMMARIES:
+            raise ConfigError(f"--probe_summaries must be {' or '.join(PROBE_SUMMARIES)}, "
+                              f"got {config.probe_summaries!r}")
         if config.local_save_every_steps and not config.local_dir:
             raise ConfigError("--local_save_every_steps needs --local_dir")
         if "://" in config.local_dir:

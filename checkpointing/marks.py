@@ -12,18 +12,19 @@ the step that writes the state, before any write of this save has started, and s
     marks = marks_fn(shardings)(state, wanted) if wanted.any else None   # dispatches what was asked
     checkpointer.on_step(step + 1, state, loss, marks=marks)
 
-The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both
-replicated; a part not asked is None. `marks_fn` keeps them in two executables per layout, dispatched only
-when asked: the fingerprints, which a restart compiles before its restore (the check needs them), and the
-summaries, compiled at the first probe. Each is one global jit of per-leaf reductions (XLA partitions them),
-with no conditional: in one executable under `lax.cond` per part, a 4-layer transformer's marks (213
-leaves) cost a restart more than its step did (1.13 s against 0.89 s from a warm cache), and its
-fingerprints alone cost 0.38 s (benchmarks/compile_bench.py). They may also be computed inside the step
-itself, but that changes how XLA compiles the update (the trainer's losses then differed from the plain
-step's in the last bits): ours keep them apart. `step_marks` is the same marks inside a caller's own jit,
-asked by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the Checkpointer did
-not ask is saved as before: save() dispatches the fingerprints itself (a time-based or preemption save is not
-known a step ahead). The values are the same: the fingerprint is integer arithmetic (tests/test_marks.py).
+The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both replicated; a
+part not asked is None. `marks_fn` keeps them in two executables per layout, dispatched only when asked: the
+fingerprints, which a restart compiles before its restore (the check needs them), and the summaries, compiled at
+the first probe (where the probe does not take them on the host, as it does on CPU devices:
+checkpointing/probes.py; there the Checkpointer never asks a step for them). Each is one global jit of per-leaf
+reductions (XLA partitions them), with no conditional: in one executable under `lax.cond` per part, a 4-layer
+transformer's marks (213 leaves) cost a restart more than its step did (1.13 s against 0.89 s from a warm
+cache), and its fingerprints alone cost 0.38 s (benchmarks/compile_bench.py). They may also be computed inside
+the step itself, but that changes how XLA compiles the update (the trainer's losses then differed from the plain
+step's in the last bits): ours keep them apart. `step_marks` is the same marks inside a caller's own jit, asked
+by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the Checkpointer did not ask
+is saved as before: save() dispatches the fingerprints itself (a time-based or preemption save is not known a
+step ahead). The values are the same: the fingerprint is integer arithmetic (tests/test_marks.py).
 """
 
 import dataclasses
@@ -210,7 +211,8 @@ def compile_marks(abstract_state) -> None:
     """Compiles the fingerprints of marks_fn for states like `abstract_state` (ShapeDtypeStructs with
     NamedShardings). From then on this process's restores and unasked saves of such states take their
     fingerprints from it, so no fingerprint pass is compiled or kept beside it. The summaries compile at
-    their first use (a probe's step). Call on every process alike (a restore's check is a collective)."""
+    their first use (a probe's step), where they are not taken on the host (checkpointing/probes.py). Call
+    on every process alike (a restore's check is a collective)."""
     shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
     marks_fn(shardings).fingerprints.lower(abstract_state).compile()
     _COMPILED.add(_layout(abstract_state))

@@ -11,15 +11,26 @@ The verifier replays those k steps from the checkpoint and compares (verifier/re
 layouts the summaries need no tolerance of their own: |norm(a) - norm(b)| <= ||a - b|| and
 |sum(a) - sum(b)| <= sqrt(n) ||a - b||, so the per-leaf state rule (verifier/tolerances.py) bounds both.
 
+Where the state already lies in host memory (CPU devices) and process 0 holds each leaf whole
+(`host_held`: data parallelism over processes, one process), process 0 sums its own shards with NumPy in
+float64 (`host_summaries`): nothing is compiled, loaded or dispatched for them. A device executable for
+the summaries cost every launch of the goodput benchmark's trainer about 0.2 s on 2 cores (its trace,
+lowering and load, and a first run that sets up XLA's YNN reductions, ~1 ms each), against ~13 ms a probe
+here (docs/performance.md). Elsewhere (accelerators, a leaf split across processes) they are reduced on
+the devices, inside the trainer's step marks when the loop passes them.
+
 Fields: step, manifest_digest, losses {"<step>": float}, summary_step, summaries {path: [sum, norm]},
-mesh {"axis": size}, process_count, recorded_at, summary_pass: "step" when the summaries were computed inside
-the trainer's step (checkpointing/marks.py; the verifier's replay then computes them the same way, so they
-stay bit-exact on the same layout), "separate" (or absent) by leaf_summaries, a pass of its own.
+mesh {"axis": size}, process_count, recorded_at, summary_pass: "host" by host_summaries (the verifier
+recomputes them the same way from its replayed state: bit-exact on the same layout); "step" when they were
+computed inside the trainer's step (checkpointing/marks.py; the verifier's replay then computes them the
+same way, so they stay bit-exact on the same layout); "separate" (or absent) by leaf_summaries, a pass of
+its own.
 """
 
 import datetime
 import functools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +43,9 @@ from checkpointing import workdir as workdir_lib
 from checkpointing.errors import CheckpointError, ManifestError, one_line_cause
 
 _WARNED: set[str] = set()
-STEP_PASS, SEPARATE_PASS = "step", "separate"  # how the summaries were computed (the docstring's summary_pass)
+# How the summaries were computed (the docstring's summary_pass).
+STEP_PASS, SEPARATE_PASS, HOST_PASS = "step", "separate", "host"
+PASSES = (SEPARATE_PASS, STEP_PASS, HOST_PASS)
 _REQUIRED = {"step": int, "manifest_digest": str, "losses": dict, "summary_step": int, "summaries": dict,
              "mesh": dict, "process_count": int}
 
@@ -58,6 +71,62 @@ def leaf_summaries(tree):
     return _summary_fn(getattr(jax.tree.leaves(tree)[0].sharding, "mesh", None))(tree)
 
 
+def host_held(tree) -> bool:
+    """Whether process 0 already holds every leaf of `tree` (arrays or ShapeDtypeStructs with shardings)
+    whole in host memory: on CPU devices, its own devices' shards covering the leaf. Read from the shardings
+    alone, so every process gets the same answer (the device pass is a collective: all or none take it)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not _held_by_process_zero(sharding, tuple(leaf.shape)):
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_by_process_zero(sharding, shape: tuple[int, ...]) -> bool:
+    if any(device.platform != "cpu" for device in sharding.device_set):
+        return False
+    return covers(sharding.devices_indices_map(shape), shape, process=0)
+
+
+def covers(indices: dict, shape: tuple[int, ...], process: int) -> bool:
+    """Whether the devices of `process` in `indices` ({device: index}) hold every element of a leaf of
+    `shape` between them (the shards of one sharding tile the leaf, so their distinct indices are disjoint)."""
+    distinct = {_bounds(index, shape) for device, index in indices.items() if device.process_index == process}
+    return sum(math.prod(stop - start for start, stop in bounds) for bounds in distinct) == math.prod(shape)
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
+
+
+def host_summaries(tree) -> dict[str, list[float]]:
+    """{key path: [sum, norm]} of each leaf, from this process's own shards on the host (fetched there from
+    an accelerator): float64 sums of the shards' values, added in the shards' index order, so a layout
+    always gives the same numbers (the squares of float32 values neither overflow nor underflow float64).
+    NaN and Inf stay non-finite. ValueError when this process does not hold a leaf whole."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): _host_summary(jax.tree_util.keystr(path), leaf) for path, leaf in flat}
+
+
+def _host_summary(path: str, x: jax.Array) -> list[float]:
+    shape = tuple(x.shape)
+    shards = {_bounds(shard.index, shape): shard for shard in x.addressable_shards}
+    if sum(math.prod(stop - start for start, stop in bounds) for bounds in shards) != math.prod(shape):
+        raise ValueError(f"leaf {path}: process {jax.process_index()} does not hold it whole")
+    total = squares = 0.0
+    for bounds in sorted(shards):
+        data = shards[bounds].data
+        if jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(data)
+        values = np.asarray(data).reshape(-1)
+        if values.dtype not in (np.float32, np.float64):  # bfloat16, integers, bools: as numbers
+            values = values.astype(np.float64)
+        total += float(np.sum(values, dtype=np.float64))
+        squares += float(np.einsum("i,i->", values, values, dtype=np.float64))
+    return [total, math.sqrt(squares)]
+
+
 def to_host(summaries) -> dict[str, list[float]]:
     """{key path: [sum, norm]} (one transfer)."""
     flat = jax.tree_util.tree_flatten_with_path(summaries)[0]
@@ -81,8 +150,8 @@ def validate(probe, where: str = "probe") -> dict:
     for field, kind in _REQUIRED.items():
         if not isinstance(probe.get(field), kind) or isinstance(probe.get(field), bool):
             raise ManifestError(f"{where}: field {field!r} must be {kind.__name__}")
-    if probe.get("summary_pass", SEPARATE_PASS) not in (SEPARATE_PASS, STEP_PASS):
-        raise ManifestError(f"{where}: field 'summary_pass' must be {STEP_PASS!r} or {SEPARATE_PASS!r}")
+    if probe.get("summary_pass", SEPARATE_PASS) not in PASSES:
+        raise ManifestError(f"{where}: field 'summary_pass' must be one of {', '.join(map(repr, PASSES))}")
     if sorted(int(s) for s in probe["losses"]) != list(range(probe["step"], probe["summary_step"])):
         raise ManifestError(f"{where}: its losses are not those of steps {probe['step']}..{probe['summary_step'] - 1}")
     return probe

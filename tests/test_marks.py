@@ -110,7 +110,7 @@ def counted(monkeypatch):
 
 
 def test_the_checkpointer_asks_for_marks_at_the_steps_it_saves_and_probes_and_dispatches_no_pass(workdir, counted):
-    asked = _train(workdir, 12, counted, save_every_steps=5, probe_steps=2)
+    asked = _train(workdir, 12, counted, save_every_steps=5, probe_steps=2, probe_summaries="device")
     assert [s for s, fingerprints, _ in asked if fingerprints] == [5, 10, 12]
     assert [s for s, _, summaries in asked if summaries] == [7, 12]  # 2 steps after the saves of 5 and 10
     assert counted["passes"] == [0] * 12, "a save given the step's fingerprints dispatched a pass of its own"
@@ -129,7 +129,7 @@ def test_the_checkpointer_asks_for_marks_at_the_steps_it_saves_and_probes_and_di
 
 
 def test_marks_given_for_a_step_not_asked_are_ignored_and_the_save_takes_its_own_pass(workdir, counted):
-    _train(workdir, 10, counted, ask=False, save_every_steps=5, probe_steps=2)
+    _train(workdir, 10, counted, ask=False, save_every_steps=5, probe_steps=2, probe_summaries="device")
     assert counted["passes"] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1], "the unasked marks were used"
     probe = probes.read(workdir, 5)
     assert probe["summary_pass"] == probes.SEPARATE_PASS
@@ -137,6 +137,27 @@ def test_marks_given_for_a_step_not_asked_are_ignored_and_the_save_takes_its_own
         leaves = read_manifest(workdir, step)["leaves"]
         assert {path: leaf["fingerprint"] for path, leaf in leaves.items()} == \
             fingerprint_lib.fingerprint_tree(_replayed(step))
+
+
+def test_a_state_held_in_host_memory_is_summarized_there_and_no_step_is_asked_for_summaries(workdir, counted,
+                                                                                            monkeypatch):
+    """--probe_summaries=auto (the default) on CPU devices of one process: the probes' summaries are taken on
+    the host (checkpointing/probes.py), so the loop's marks never compute them and no summary pass runs; the
+    values are host_summaries' of the state, and the device pass's up to float32 rounding."""
+    dispatched, original = [], probes.leaf_summaries
+    monkeypatch.setattr(probes, "leaf_summaries", lambda tree: dispatched.append(tree) or original(tree))
+    asked = _train(workdir, 12, counted, save_every_steps=5, probe_steps=2)
+    monkeypatch.setattr(probes, "leaf_summaries", original)
+    assert [s for s, fingerprints, _ in asked if fingerprints] == [5, 10, 12]
+    assert [s for s, _, summaries in asked if summaries] == [] and dispatched == []
+    for step, summary_step in ((5, 7), (10, 12)):
+        probe = probes.read(workdir, step)
+        assert (probe["summary_pass"], probe["summary_step"]) == (probes.HOST_PASS, summary_step)
+        assert probe["summaries"] == probes.host_summaries(_replayed(summary_step))
+        on_device = probes.to_host(probes.leaf_summaries(_replayed(summary_step)))
+        assert sorted(probe["summaries"]) == sorted(on_device)
+        for path, value in on_device.items():
+            np.testing.assert_allclose(probe["summaries"][path], value, rtol=1e-6)
 
 
 def _replayed(step: int) -> dict:

@@ -49,6 +49,7 @@ def test_each_save_has_a_probe_bound_to_it_that_its_replay_reproduces_bit_for_bi
         manifest = read_manifest(config.workdir, step)
         probe = probes.for_save(config.workdir, step, manifest["digest"])
         assert probe is not None and probe["summary_step"] == step + 4 and probe["mesh"] == {"data": 4, "model": 2}
+        assert probe["summary_pass"] == probes.HOST_PASS, "one process on CPU devices: summed on the host"
         later = manifest_lib.losses(read_manifest(config.workdir, step + 10))  # the next save recorded them too
         assert probes.losses(probe) == {s: later[s] for s in range(step, step + 4)}
         result = _cheap_proof(config, step, "data=4,model=2")

@@ -117,8 +117,9 @@ def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True)
     if fingerprints:
         # The save marks' fingerprints, dispatched after the step at the steps a save asks for; a preemption
         # or time-based save and the restore's check dispatch the same executable (checkpointing.
-        # compile_marks), so no fingerprint pass is compiled beside it; the summaries compile at the first
-        # probe. fingerprints=False: a loop that takes none (the plain Orbax baseline of benchmarks/).
+        # compile_marks), so no fingerprint pass is compiled beside it; the summaries, where they are not taken
+        # on the host (checkpointing/probes.py), compile at the first probe. fingerprints=False: a loop that
+        # takes none (the plain Orbax baseline of benchmarks/).
         program.step_fn.compile_marks(program.abstract_state)
     if fresh:
         program.init_fn.lower().compile()

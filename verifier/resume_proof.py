@@ -13,6 +13,8 @@ second loss and in the moments' norms at S+k, a sign-flipped moment in the sums.
 import dataclasses
 import math
 
+import jax
+
 from checkpointing import compare
 from checkpointing import probes
 from verifier import program as program_lib
@@ -43,20 +45,24 @@ def prove(replay, program, start_state, start_copy, step: int, probe: dict, leav
     `batches`: the iterator a program that replays from saved input states reads (verifier/program.py)."""
     count = probe["summary_step"] - step
     exact = tolerances.same_layout(*layout, probe)
+    recorded_pass = probe.get("summary_pass", probes.SEPARATE_PASS)
     # Summaries computed inside the trainer's step are computed inside the replay's last step too: the
-    # same executable, so the same numbers on the same layout.
-    in_step = probe.get("summary_pass") == probes.STEP_PASS and hasattr(program.step_fn, "with_marks")
+    # same executable, so the same numbers on the same layout. Host summaries are recomputed on the host.
+    in_step = recorded_pass == probes.STEP_PASS and hasattr(program.step_fn, "with_marks")
     replayed_state, replayed = replay(program, start_copy, step, count - 1 if in_step else count, batches)
     if in_step:
         replayed_state, replayed[step + count - 1], summaries = program_lib.replay_marked_step(
             program, replayed_state, step + count - 1, batches)
+        same_pass = True
+    elif recorded_pass == probes.HOST_PASS and jax.process_count() == 1:  # this process holds every leaf
+        summaries, same_pass = probes.host_summaries(replayed_state), True
     else:
         summaries = probes.to_host(probes.leaf_summaries(replayed_state))
+        same_pass = recorded_pass == probes.SEPARATE_PASS
     recorded = probes.losses(probe)
     mismatch, largest = compare.compare_losses(replayed, recorded, tolerances.loss_rtol(program, exact))
     if mismatch is None:
         # A summary pass other than the trainer's sums in its own order: bounded like another layout.
-        same_pass = in_step or probe.get("summary_pass", probes.SEPARATE_PASS) == probes.SEPARATE_PASS
         allowed = None if exact and same_pass else tolerances.state_tolerances(
             replayed_state, start_state, program.state_rtol, leaves)
         mismatch = compare_summaries(summaries, probe["summaries"], allowed, leaves, probe["summary_step"])
