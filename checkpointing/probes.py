@@ -102,11 +102,16 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]
 
 def host_summaries(tree) -> dict[str, list[float]]:
     """{key path: [sum, norm]} of each leaf, from this process's own shards on the host (fetched there from
-    an accelerator): float64 sums of the shards' values, added in the shards' index order, so a layout
-    always gives the same numbers (the squares of float32 values neither overflow nor underflow float64).
-    NaN and Inf stay non-finite. ValueError when this process does not hold a leaf whole."""
+    an accelerator): float64 sums of the shards' values in pieces of _CHUNK, added in the shards' index
+    order, so a layout always gives the same numbers (the squares of float32 values neither overflow nor
+    underflow float64). NaN and Inf stay non-finite. ValueError when this process does not hold a leaf whole."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path): _host_summary(jax.tree_util.keystr(path), leaf) for path, leaf in flat}
+
+
+# Elements converted to float64 at a time: cache-sized pieces took 13 ms for the goodput benchmark's 45 MiB,
+# whole leaves 22 ms (threads over the leaves gained nothing more on 2 cores).
+_CHUNK = 1 << 16
 
 
 def _host_summary(path: str, x: jax.Array) -> list[float]:
@@ -119,11 +124,11 @@ def _host_summary(path: str, x: jax.Array) -> list[float]:
         data = shards[bounds].data
         if jnp.issubdtype(data.dtype, jax.dtypes.prng_key):
             data = jax.random.key_data(data)
-        values = np.asarray(data).reshape(-1)
-        if values.dtype not in (np.float32, np.float64):  # bfloat16, integers, bools: as numbers
-            values = values.astype(np.float64)
-        total += float(np.sum(values, dtype=np.float64))
-        squares += float(np.einsum("i,i->", values, values, dtype=np.float64))
+        values = np.asarray(data).reshape(-1)  # bfloat16, integers and bools too: as numbers
+        for start in range(0, values.size, _CHUNK):
+            piece = values[start:start + _CHUNK].astype(np.float64)
+            total += float(piece.sum())
+            squares += float(np.einsum("i,i->", piece, piece))
     return [total, math.sqrt(squares)]
 
 
