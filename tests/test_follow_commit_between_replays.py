@@ -24,8 +24,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def trained(trained_copy, workdir):
-    """This test's own copy of tamper.RUN (steps 10, 20, 30, each with its probe), in `workdir`."""
-    return trained_copy(workdir, **RUN)
+    """This test's own copy of tamper.RUN (steps 10, 20, 30, each with its probe), in `workdir`; its probes'
+    summaries come from the trainer's step (--probe_summaries=device), so the cheap proof replays a marked
+    step (on CPU they are taken on the host by default: no marked step)."""
+    return trained_copy(workdir, **RUN, probe_summaries="device")
 
 
 class EventsVerifier(RecordingVerifier):
@@ -66,7 +68,13 @@ def test_a_commit_made_during_a_probes_marked_step_is_proved_before_the_next_rep
 
     monkeypatch.setattr(program_lib, "replay_marked_step", marked_step)
     monkeypatch.setattr(verifier_module.program_lib, "replay_losses", replay_losses)
-    verifier.follow(threading.Event(), until_step=30)
+    stop = threading.Event()
+    deadline = threading.Timer(300, stop.set)  # a follow that never sees step 30 fails below instead of hanging
+    deadline.start()
+    try:
+        verifier.follow(stop, until_step=30)
+    finally:
+        deadline.cancel()
     events = verifier.events
     assert ("committed", 30) in events, f"no marked step ran: step 10 has no probe? {events}"
     commit, first_verdict = events.index(("committed", 30)), events.index(("intact", 30))
