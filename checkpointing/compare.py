@@ -68,10 +68,11 @@ def compare_losses(actual: dict[int, float], expected: dict[int, float], rtol: f
 def norm(x: jax.Array) -> jax.Array:
     """The L2 norm of all of `x`, scaled by its largest magnitude first: the squares of a leaf of values
     near 1e-20 (an Adam second moment of a zero-gradient bias) underflow float32, and the plain norm
-    reads 0, which would leave such a leaf no tolerance at all."""
+    reads 0, which would leave such a leaf no tolerance at all. A leaf holding NaN reads NaN (its max is
+    NaN, which `scale > 0` alone would have read as an all-zero leaf)."""
     scale = jnp.max(jnp.abs(x))
     safe = jnp.where(scale > 0, scale, 1.0)
-    return jnp.where(scale > 0, safe * jnp.sqrt(jnp.sum(jnp.square(x / safe))), 0.0)
+    return jnp.where(scale == 0, 0.0, safe * jnp.sqrt(jnp.sum(jnp.square(x / safe))))
 
 
 @jax.jit

@@ -56,3 +56,12 @@ def test_nonfinite_leaves_names_each_leaf_with_a_nan_or_inf_on_any_sharding(bad,
     tree = {"big": values, "bad": poisoned, "step": jnp.int32(3)}
     assert compare.nonfinite_leaves(tree) == ["['bad']"]
     assert compare.nonfinite_leaves({"step": jnp.int32(3)}) == []
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_the_norm_of_a_leaf_holding_nan_or_inf_is_not_finite_and_of_zeros_is_zero(bad):
+    assert not math.isfinite(float(compare.norm(jnp.array([0.0, bad, 2.0]))))
+    assert not math.isfinite(float(compare.norm(jnp.array([bad, 0.0]))))
+    assert float(compare.norm(jnp.zeros(5))) == 0.0
+    tiny = jnp.full((4,), 1e-20, jnp.float32)  # the squares underflow float32; the scaled norm does not
+    assert float(compare.norm(tiny)) == pytest.approx(2e-20, rel=1e-6)
