@@ -29,12 +29,14 @@ step ahead). The values are the same: the fingerprint is integer arithmetic (tes
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from checkpointing import executables
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import probes
 from checkpointing import replicas
@@ -182,16 +184,27 @@ def _stacked_summaries(state) -> jax.Array:
 
 class MarksFn:
     """The marks of states on one layout: `(state, wanted) -> (fingerprints, summaries)`, each dispatched only
-    when `wanted` (a Wanted) asks for it, else None. Its executables are `.fingerprints` and `.summaries`."""
+    when `wanted` (a Wanted) asks for it, else None. Its executables are `.fingerprints` (after compile_marks,
+    the `.compiled` one) and `.summaries`."""
 
     def __init__(self, tree):
+        self._tree = tree
+        self.fingerprints = self.fingerprints_jit()
+        self.compiled = None  # compile_marks: the fingerprints' executable, called without jit's dispatch
         replicated = NamedSharding(jax.tree.leaves(tree)[0].mesh, P())
-        fingerprints = functools.partial(_stacked_fingerprints, shardings=tuple(jax.tree.leaves(tree)))
-        self.fingerprints = jax.jit(fingerprints, in_shardings=(tree,), out_shardings=replicated)
         self.summaries = jax.jit(_stacked_summaries, in_shardings=(tree,), out_shardings=replicated)
 
+    def fingerprints_jit(self):
+        """A new jit of the fingerprints (its own caches: what executables.load_or_compile keeps is compiled)."""
+        replicated = NamedSharding(jax.tree.leaves(self._tree)[0].mesh, P())
+        fingerprints = functools.partial(_stacked_fingerprints, shardings=tuple(jax.tree.leaves(self._tree)))
+        return jax.jit(fingerprints, in_shardings=(self._tree,), out_shardings=replicated)
+
+    def fingerprint(self, state) -> jax.Array:
+        return (self.compiled or self.fingerprints)(state)
+
     def __call__(self, state, wanted: Wanted) -> tuple[jax.Array | None, jax.Array | None]:
-        return (self.fingerprints(state) if wanted.fingerprints else None,
+        return (self.fingerprint(state) if wanted.fingerprints else None,
                 self.summaries(state) if wanted.summaries else None)
 
 
@@ -207,15 +220,23 @@ def marks_fn(shardings) -> MarksFn:
     return _jitted(treedef, tuple(leaves))
 
 
-def compile_marks(abstract_state) -> None:
+def compile_marks(abstract_state) -> str:
     """Compiles the fingerprints of marks_fn for states like `abstract_state` (ShapeDtypeStructs with
-    NamedShardings). From then on this process's restores and unasked saves of such states take their
+    NamedShardings), or loads them as a launch before compiled them (checkpointing/executables.py: no trace,
+    no lowering). From then on this process's restores and unasked saves of such states take their
     fingerprints from it, so no fingerprint pass is compiled or kept beside it. The summaries compile at
     their first use (a probe's step), where they are not taken on the host (checkpointing/probes.py). Call
-    on every process alike (a restore's check is a collective)."""
-    shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
-    marks_fn(shardings).fingerprints.lower(abstract_state).compile()
+    on every process alike (a restore's check is a collective). Returns where the executable came from:
+    "disk" or "compiled"."""
+    marks = marks_fn(jax.tree.map(lambda x: x.sharding, abstract_state))
+    marks.compiled, source = executables.load_or_compile(
+        "marks-fingerprints", marks.fingerprints_jit, (abstract_state,), _FINGERPRINT_SOURCES)
     _COMPILED.add(_layout(abstract_state))
+    return source
+
+
+# The modules whose code the fingerprints' executable runs (its kept copy's key hashes them).
+_FINGERPRINT_SOURCES = (fingerprint_lib, replicas, sys.modules[__name__])
 
 
 def _layout(tree) -> tuple:
@@ -239,7 +260,7 @@ class Fingerprints:
         self._marks = self._pass = None
         if compiled_for(state):
             self._paths = leaf_paths(state)
-            self._marks = marks_fn(jax.tree.map(lambda x: x.sharding, state)).fingerprints(state)
+            self._marks = marks_fn(jax.tree.map(lambda x: x.sharding, state)).fingerprint(state)
         else:
             self._pass = fingerprint_lib.tree_fingerprints(state)
 

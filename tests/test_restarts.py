@@ -57,12 +57,18 @@ def test_resume_reads_the_cache_and_logs_every_phase(tmp_path):
 def test_corrupt_cache_entries_are_one_warning_and_a_compile(tmp_path):
     cache = str(tmp_path / "cache")
     assert train(tmp_path / "a", f"--compilation_cache_dir={cache}").returncode == 0
-    for name in os.listdir(cache):
-        with open(os.path.join(cache, name), "wb") as f:
-            f.write(b"not an executable" * 7)
+    corrupted = 0
+    for folder, _, names in os.walk(cache):  # JAX's entries and the kept executables (executables/)
+        for name in names:
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(b"not an executable" * 7)
+            corrupted += 1
+    assert corrupted > 1 and os.listdir(os.path.join(cache, "executables")), "nothing was kept to corrupt"
     result = train(tmp_path / "b", f"--compilation_cache_dir={cache}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"compilation cache .*compiling instead", result.stderr)) == 1, result.stderr[-3000:]
+    assert len(re.findall(r"executable .* cannot be loaded .*compiling instead", result.stderr)) == 1, \
+        result.stderr[-3000:]
     assert committed_steps(str(tmp_path / "b")) == [6, 12]
 
 
@@ -70,7 +76,7 @@ def test_every_process_of_a_pod_loads_its_executables_from_the_cache_on_a_restar
     # JAX writes entries from process 0 only, and on CPU each process's keys are its own: without
     # trainer/compile_cache.py's writer, process 1 recompiled everything at every restart while the
     # pod waited for it.
-    def pod(steps: int) -> dict[int, tuple[int, int]]:
+    def pod(steps: int) -> tuple[dict[int, tuple[int, int]], dict[int, str]]:
         result = subprocess.run([sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=1",
                                  "--", f"--workdir={tmp_path / 'run'}", f"--steps={steps}", "--mesh=data=2",
                                  "--save_every_steps=3", f"--compilation_cache_dir={tmp_path / 'cache'}"],
@@ -78,12 +84,16 @@ def test_every_process_of_a_pod_loads_its_executables_from_the_cache_on_a_restar
                                 timeout=300)
         assert result.returncode == 0, result.stdout[-3000:]
         found = re.findall(r"compilation cache: (\d+) of (\d+) lookups hit \(process (\d)\)", result.stdout)
-        return {int(process): (int(hits), int(lookups)) for hits, lookups, process in found}
+        kept = re.findall(r"save marks' fingerprints: (\w+) \(process (\d)\)", result.stdout)
+        return ({int(process): (int(hits), int(lookups)) for hits, lookups, process in found},
+                {int(process): source for source, process in kept})
 
-    cold = pod(3)
+    cold, compiled = pod(3)
     assert set(cold) == {0, 1} and all(hits == 0 < lookups for hits, lookups in cold.values()), cold
-    warm = pod(6)
+    assert compiled == {0: "compiled", 1: "compiled"}
+    warm, loaded = pod(6)
     assert set(warm) == {0, 1} and all(hits == lookups > 0 for hits, lookups in warm.values()), warm
+    assert loaded == {0: "disk", 1: "disk"}  # each process's own kept executable (checkpointing/executables.py)
 
 
 def test_cache_dir_that_is_a_file_is_one_warning(tmp_path):

@@ -120,7 +120,8 @@ def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True)
         # compile_marks), so no fingerprint pass is compiled beside it; the summaries, where they are not taken
         # on the host (checkpointing/probes.py), compile at the first probe. fingerprints=False: a loop that
         # takes none (the plain Orbax baseline of benchmarks/).
-        program.step_fn.compile_marks(program.abstract_state)
+        logging.info("save marks' fingerprints: %s (process %d)", program.step_fn.compile_marks(program.abstract_state),
+                     jax.process_index())
     if fresh:
         program.init_fn.lower().compile()
 

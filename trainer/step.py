@@ -76,9 +76,10 @@ class StepFn:
         return self.jitted.lower(state, batch)
 
     @staticmethod
-    def compile_marks(abstract_state) -> None:
-        """Compiles the marks' fingerprints; the Checkpointer's restores and unasked saves then use them too."""
-        compile_marks(abstract_state)
+    def compile_marks(abstract_state) -> str:
+        """Compiles (or loads, checkpointing/executables.py) the marks' fingerprints; the Checkpointer's
+        restores and unasked saves then use them too. Returns "disk" or "compiled"."""
+        return compile_marks(abstract_state)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
