@@ -4,7 +4,7 @@ JAX's persistent compilation cache saves a relaunch the compile, not the trace a
 compute its key: for the save marks' fingerprints, which every relaunch compiles before its restore
 (checkpointing/marks.py), those cost 0.05-0.1 s of the 0.1-0.2 s on the benchmark's mlp, on the cores the
 step uses. Here the compiled executable itself is kept, under a key of everything it was compiled from:
-the versions of jax and jaxlib, the backend, this process and the devices, every argument leaf's path,
+the versions of jax, jaxlib and NumPy, the backend, this process and the devices, every argument leaf's path,
 shape, dtype and sharding, JAX's configuration and XLA's flags, and the source of the modules that define the
 function. A key that misses compiles; a file that cannot be read or loaded is one warning and a compile.
 Each file carries its bytes' digest, so a torn write is never loaded.
@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import jax
+import numpy as np
 from absl import logging
 from jax.experimental import serialize_executable
 
@@ -64,8 +65,9 @@ def load_or_compile(name: str, make_jit: Callable[[], Callable], abstract_args: 
 def key(abstract_args: tuple, sources: Sequence[ModuleType]) -> str:
     """A digest of everything the executable of a function of `sources` for `abstract_args` depends on."""
     backend = jax.devices()[0].client
-    parts = [jax.__version__, importlib.metadata.version("jaxlib"), backend.platform, backend.platform_version,
-             jax.process_index(), jax.process_count(), jax.tree.structure(abstract_args).num_leaves,
+    parts = [jax.__version__, importlib.metadata.version("jaxlib"), np.__version__, backend.platform,
+             backend.platform_version, jax.process_index(), jax.process_count(),
+             jax.tree.structure(abstract_args).num_leaves,
              os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
              sorted((name, repr(value)) for name, value in jax.config.values.items())]
     # Leaves by path, not the treedef's repr: that holds a TrainState's functions' addresses, new each launch.
