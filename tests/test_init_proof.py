@@ -2,9 +2,16 @@
 turns rounding differences in tiny gradients into whole-learning-rate steps, so across layouts it
 drifts far more than an interval from a saved step: it has a tolerance of its own
 (verifier/tolerances.py for_anchor). The wide mlp (tests/tamper.py WIDE: saves 12 and 24, recorded on
-data=4,model=2) is proved on data=2,model=4 with what verifier.calibrate measured for it: its genuine
-first interval fails the ordinary tolerance and passes the from-init one, a broken first checkpoint
-still fails, and the next interval keeps the ordinary one.
+data=4,model=2) is proved on data=8 with what verifier.calibrate measured for it: its genuine first
+interval fails the ordinary tolerance and passes the from-init one, a broken first checkpoint still
+fails, and the next interval keeps the ordinary one.
+
+The drift from the init is the hardware's as much as the model's. Measured on one 2-core machine, the
+file below holds both verifier layouts' drift within a tenth of its bounds; on another (a different
+CPU, other XLA kernels) data=2,model=4 drifted 50x more by step 12 (state 4.4e-2, loss 5.8e-3) and
+calibrate there called the first interval not provable across layouts, while data=8 stayed within the
+file's bounds (1.1e-3 against 8.9e-3). So these tests prove on data=8, and a user calibrates on the
+verifier's own hardware.
 
 tests/wide_mlp_tolerances.json is that command's output, for the run's config:
   python -m verifier.calibrate --model=mlp --input_dim=1024 --hidden_dim=2048 --num_layers=2 --seed=4 \\
@@ -34,7 +41,7 @@ from verifier import tolerances
 from verifier.verifier import Verifier, VerifierOptions
 
 WIDE_TOLERANCES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "wide_mlp_tolerances.json")
-VERIFIER_MESH = helpers.MESHES["data=2,model=4"]
+VERIFIER_MESH = helpers.MESHES["data=8"]
 
 
 def test_only_a_replay_from_the_init_gets_the_programs_from_init_tolerances():
@@ -137,7 +144,7 @@ def test_every_leaf_and_loss_of_the_first_interval_against_both_tolerances(train
 
     leaves = manifest["leaves"]
     ordinary = _failing(replayed, saved, anchor, program.state_rtol, leaves)
-    assert ".params['Dense_0']['kernel']" in ordinary, ordinary  # the spec's 1e-5: the widest layer fails
+    assert ordinary != [], "the spec's 1e-5 holds from the init: the from-init tolerance proves nothing here"
     assert _failing(replayed, saved, anchor, measured.init_state_rtol, leaves) == []
     other_seed = helpers.small_config(workdir, **{**WIDE, "seed": 5})  # its step 12, on the recording mesh
     recording = build_program(other_seed, build_mesh(other_seed))
