@@ -132,13 +132,14 @@ def committed_steps(directory: str) -> list[int]:
     # as plain calls, where Orbax's check for the path is an atomic rename's (_finalized_check).
     finalized = _finalized_check(path)
     return sorted(ocp.path.step.step_from_checkpoint_name(entry.name) for entry in path.iterdir()
-                  if _step_named(entry.name) and entry.is_dir() and finalized(entry))
+                  if _step_named(entry.name) and finalized(entry))
 
 
 def _finalized_check(path):
     """Orbax's test of whether a step directory under `path` is finalized, as a plain function: for an atomic
     rename (Orbax's default off GCS, and the service's DurableRename) its validate_final is a name without the
-    temporary suffix and a directory (tests/test_workdir.py compares the two); any other kind, Orbax's call."""
+    temporary suffix and a directory (tests/test_workdir.py compares the two); any other kind, Orbax's call,
+    which checks what that kind calls finalized itself."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.path import atomicity, atomicity_defaults
 
@@ -156,7 +157,7 @@ def is_committed(directory: str, step: int) -> bool:
     (Orbax's listing starts a thread pool each time: about 4 ms; this is a stat on a local disk)."""
     fresh_path(directory)
     path = step_dir(directory, step)
-    return path.is_dir() and _finalized_check(path.parent)(path)
+    return _finalized_check(path.parent)(path)
 
 
 def read_manifest(directory: str, step: int) -> dict:
