@@ -285,6 +285,7 @@ def main(argv: list[str]) -> None:
     table += "\n\n" + fill_report(fills, out)
     out["schedule"], out["fresh_memory_fill_secs_per_round"] = schedule, fills
     out["load_average"] = os.getloadavg()
+    out["rounds"] = rounds  # every launch's events and phases: the report can be recomputed from the JSON
     sys.stdout.write(table + "\n\n" + "\n".join(targets(out)) + "\n")
     if JSON_OUT.value:
         with open(JSON_OUT.value, "w") as f:

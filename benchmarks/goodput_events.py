@@ -16,6 +16,7 @@ time and one step time for every variant, so the ratio of two variants depends o
 costs alone (see `implied_wall`).
 """
 
+import random
 import re
 import statistics
 import time
@@ -115,6 +116,21 @@ def _ideal(runs: list[dict]) -> dict:
     return {"wall_secs": statistics.median(r["wall_secs"] for r in runs), **costs}
 
 
+def pooled_ratio(rounds: list[dict[str, dict]], a: str, b: str, counts: dict) -> float:
+    """Goodput a / goodput b implied by the per-event costs pooled over `rounds` (one count per event)."""
+    ideal = _ideal([r["ideal"] for r in rounds])
+    walls = {n: implied_wall(ideal, _costs([r[n] for r in rounds])[0], counts[n]) for n in (a, b)}
+    return walls[b] / walls[a]
+
+
+def bootstrap_error(rounds: list[dict[str, dict]], a: str, b: str, counts: dict, draws: int = 1000) -> float:
+    """The pooled ratio's standard error relative to it: its spread over the rounds resampled with
+    replacement (a seeded draw, so a report recomputed from the same rounds gives the same number)."""
+    rng, pooled = random.Random(0), pooled_ratio(rounds, a, b, counts)
+    ratios = [pooled_ratio(rng.choices(rounds, k=len(rounds)), a, b, counts) for _ in range(draws)]
+    return statistics.stdev(ratios) / pooled if len(rounds) > 1 else float("nan")
+
+
 def event_report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
     """Per-event costs per variant (pooled over rounds), the goodput they imply, and each ratio's spread over
     rounds, implied and measured (the wall-time goodput), as a markdown table and lines."""
@@ -154,10 +170,12 @@ def event_report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
         measured = spread([r[b]["wall_secs"] / r[a]["wall_secs"] for r in rounds])  # goodput a / goodput b
         out[f"implied_ratio_{a}_over_{b}"], out[f"measured_ratio_{a}_over_{b}"] = implied, measured
         pooled = out[f"implied_goodput_{a}"] / out[f"implied_goodput_{b}"]
-        out[f"implied_ratio_{a}_over_{b}"]["pooled"] = pooled
+        pooled_error = bootstrap_error(rounds, a, b, counts)
+        out[f"implied_ratio_{a}_over_{b}"].update(pooled=pooled, pooled_relative_standard_error=pooled_error)
         for kind, s in (("implied by the event costs", implied), ("measured (wall time)", measured)):
             lines.append(f"{a} / {b}, {kind}: median {s['median']:.3f} over {len(rounds)} rounds "
                          f"({', '.join(f'{v:.3f}' for v in s['per_round'])}), range {100 * s['relative_range']:.1f}%, "
                          f"standard error {100 * s['relative_standard_error']:.1f}%"
-                         + (f"; from the pooled event costs {pooled:.3f}" if kind.startswith("implied") else ""))
+                         + (f"; from the pooled event costs {pooled:.3f} (standard error {100 * pooled_error:.1f}% "
+                            "over the rounds resampled)" if kind.startswith("implied") else ""))
     return "\n".join(lines), out
