@@ -126,9 +126,11 @@ def pooled_ratio(rounds: list[dict[str, dict]], a: str, b: str, counts: dict) ->
 def bootstrap_error(rounds: list[dict[str, dict]], a: str, b: str, counts: dict, draws: int = 1000) -> float:
     """The pooled ratio's standard error relative to it: its spread over the rounds resampled with
     replacement (a seeded draw, so a report recomputed from the same rounds gives the same number)."""
-    rng, pooled = random.Random(0), pooled_ratio(rounds, a, b, counts)
+    if len(rounds) < 2:
+        return float("nan")
+    rng = random.Random(0)
     ratios = [pooled_ratio(rng.choices(rounds, k=len(rounds)), a, b, counts) for _ in range(draws)]
-    return statistics.stdev(ratios) / pooled if len(rounds) > 1 else float("nan")
+    return statistics.stdev(ratios) / pooled_ratio(rounds, a, b, counts)
 
 
 def event_report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
@@ -169,7 +171,7 @@ def event_report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
         implied = spread([x / y for x, y in zip(implied_rounds[a], implied_rounds[b])])
         measured = spread([r[b]["wall_secs"] / r[a]["wall_secs"] for r in rounds])  # goodput a / goodput b
         out[f"implied_ratio_{a}_over_{b}"], out[f"measured_ratio_{a}_over_{b}"] = implied, measured
-        pooled = out[f"implied_goodput_{a}"] / out[f"implied_goodput_{b}"]
+        pooled = pooled_ratio(rounds, a, b, counts)
         pooled_error = bootstrap_error(rounds, a, b, counts)
         out[f"implied_ratio_{a}_over_{b}"].update(pooled=pooled, pooled_relative_standard_error=pooled_error)
         for kind, s in (("implied by the event costs", implied), ("measured (wall time)", measured)):
