@@ -24,23 +24,22 @@ With --persistent=gcs the trainer variants' workdirs are gs:// paths on a GCS-pr
 the local tier stays on local disk.
 An untimed warm-up run of the trainer fills the compilation cache first. --rounds repeats `ideal`
 and every variant, in an order rotated each round; goodput is computed per round against that
-round's ideal run, and the medians are reported.
+round's ideal run, and the medians are reported. Before each run (untimed) the benchmark calls
+os.sync() and waits --settle_secs, so that no run pays for the writes of the one before.
 
-Per variant: goodput (the ideal wall time over this variant's, excluding nothing), steps
-recomputed per preemption (the step the preempted pod reached minus the step the next one
-resumed), restart latency (relaunch to the first step's loss, from the log's time stamp) and its
-split into the trainer's `phase <name> <secs>s` lines (process start, distributed start-up,
-compile, restore, first step; what they leave out is start-up work between the phases), and the
-wall-time overhead
-per save ((wall - ideal wall - restart latencies) / saves of both tiers). A markdown table on stdout; --json_out
-writes the numbers. Every process is started in its own group and killed by PID on any exit.
+Per variant: goodput (the ideal wall time over this variant's, excluding nothing), steps recomputed
+per preemption (the step the preempted pod reached minus the step the next one resumed), restart
+latency (relaunch to the first step's loss, from the log's time stamp) and its split into the
+trainer's `phase <name> <secs>s` lines (process start, distributed start-up, compile, restore, first
+step), and the wall-time overhead per save ((wall - ideal wall - restart latencies) / saves of both
+tiers). A markdown table on stdout; --json_out writes the numbers. Every process is started in its
+own group and killed by PID on any exit.
 """
 
 import atexit
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -52,7 +51,7 @@ import psutil
 from absl import app, flags, logging
 
 from benchmarks.common import ROOT, fresh_memory_fill_secs
-from benchmarks.goodput_events import event_report
+from benchmarks.goodput_events import LogProgress, event_report
 from benchmarks.goodput_report import fill_report, report, summarise, targets
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
@@ -82,6 +81,10 @@ TIMEOUT_SECS = flags.DEFINE_float("timeout_secs", 570, "The whole benchmark is s
 JSON_OUT = flags.DEFINE_string("json_out", None, "Write the numbers as JSON here.")
 PERSISTENT = flags.DEFINE_enum("persistent", "disk", ["disk", "gcs"],
                                "Where the trainer variants' workdirs are: local disk, or the GCS emulator.")
+SETTLE_SECS = flags.DEFINE_float(
+    "settle_secs", 3.0, "Before each timed run, untimed: os.sync() (the previous run's writes reach the disk "
+    "now, not inside the next run) and this long a pause (its freed memory and background threads settle).",
+    lower_bound=0.0)
 WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a temporary directory, removed); every "
                               "checkpoint is kept: about 0.9 GB a round at the defaults.")
 
@@ -182,6 +185,7 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
     workdir = trainer_workdir(root, variant)
     local_prefix = os.path.join(local_root or root, f"{os.path.basename(root)}-{variant}-local")
     module, args = variant_command(variant, workdir, cache_dir, local_prefix)
+    settle()
     begin, launches, pending = time.monotonic(), [], list(schedule)
     while True:
         log_path = os.path.join(root, f"{variant}-{len(launches)}.log")
@@ -208,26 +212,12 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
     return summarise(variant, time.monotonic() - begin, launches, workdir)
 
 
-class LogProgress:
-    """The newest step process 0 has logged in a launch's log (read on from where the last call stopped)."""
-
-    def __init__(self, path: str):
-        self._path, self._offset, self._tail, self._newest = path, 0, "", -1
-
-    def newest_step(self) -> int:
-        with open(self._path) as f:
-            f.seek(self._offset)
-            text = self._tail + f.read()
-            self._offset = f.tell()
-        lines = text.split("\n")
-        self._tail = lines.pop()  # a line still being written
-        for line in lines:
-            if (match := STEP_LOGGED.search(line)) and line.startswith("[0]"):
-                self._newest = max(self._newest, int(match[1]))
-        return self._newest
-
-
-STEP_LOGGED = re.compile(r"\] step (\d+) loss ")
+def settle() -> None:
+    """Untimed, before every run: whatever the run before left pending is not charged to this one."""
+    begin = time.monotonic()
+    os.sync()
+    logging.info("settle: os.sync() %.2fs, then %.1fs idle", time.monotonic() - begin, SETTLE_SECS.value)
+    time.sleep(SETTLE_SECS.value)
 
 
 def preemption_schedule(rng: random.Random, ideal_secs: float, count: int) -> list[tuple[float, int]]:

@@ -13,7 +13,8 @@ A variant's wall time is its launches' (start + loop + end) pieces; each piece i
 So each cost is measured within one launch against that launch's own steps, and machine load that
 changes between runs moves no cost but the step time. The goodput these imply uses one ideal wall
 time and one step time for every variant, so the ratio of two variants depends on their event
-costs alone (see `implied_wall`).
+costs alone (see `implied_wall`). `LogProgress` reads a running launch's newest step (the benchmark's
+step schedule interrupts on it).
 """
 
 import random
@@ -181,3 +182,25 @@ def event_report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
                          + (f"; from the pooled event costs {pooled:.3f} (standard error {100 * pooled_error:.1f}% "
                             "over the rounds resampled)" if kind.startswith("implied") else ""))
     return "\n".join(lines), out
+
+
+class LogProgress:
+    """The newest step process 0 has logged in a launch's log (read on from where the last call stopped)."""
+
+    def __init__(self, path: str):
+        self._path, self._offset, self._tail, self._newest = path, 0, "", -1
+
+    def newest_step(self) -> int:
+        with open(self._path) as f:
+            f.seek(self._offset)
+            text = self._tail + f.read()
+            self._offset = f.tell()
+        lines = text.split("\n")
+        self._tail = lines.pop()  # a line still being written
+        for line in lines:
+            if (match := _STEP_LOGGED.search(line)) and line.startswith("[0]"):
+                self._newest = max(self._newest, int(match[1]))
+        return self._newest
+
+
+_STEP_LOGGED = re.compile(r"\] step (\d+) loss ")
