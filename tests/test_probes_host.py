@@ -58,6 +58,31 @@ def test_a_layout_gives_the_same_numbers_every_time_and_other_layouts_differ_onl
             np.testing.assert_allclose(summaries[path], value, rtol=1e-13, err_msg=f"{other} {path}")
 
 
+def test_the_numbers_are_float64_sums_of_each_piece_in_order_bit_for_bit_whatever_the_dtype():
+    """Recorded probes are compared for equality on the same layout, so the summing itself may not change: per
+    shard in index order, pieces of probes._CHUNK elements, each converted to float64 and summed (pairwise) and
+    its squares summed (einsum), the pieces' results added in order. Leaves span several pieces and a short
+    last one, in every dtype the state may hold."""
+    rng = np.random.default_rng(7)
+    size = 2 * probes._CHUNK + 123
+    leaves = {"f32": rng.standard_normal(size).astype(np.float32) * 1e3,
+              "bf16": jnp.asarray(rng.standard_normal(size), jnp.bfloat16),
+              "i32": rng.integers(-1 << 30, 1 << 30, size).astype(np.int32),
+              "u32": rng.integers(0, 1 << 32, size, dtype=np.uint32),
+              "bool": rng.integers(0, 2, size).astype(bool)}
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    state = {path: jax.device_put(jnp.asarray(x), NamedSharding(mesh, P())) for path, x in leaves.items()}
+    summaries = probes.host_summaries(state)
+    for path, x in leaves.items():
+        values = np.asarray(x).reshape(-1)
+        total = squares = 0.0
+        for start in range(0, size, probes._CHUNK):
+            piece = values[start:start + probes._CHUNK].astype(np.float64)
+            total += float(piece.sum())
+            squares += float(np.einsum("i,i->", piece, piece))
+        assert summaries[f"['{path}']"] == [total, math.sqrt(squares)], path
+
+
 @pytest.mark.parametrize("bad, expected", [(jnp.nan, (math.isnan, math.isnan)), (jnp.inf, (math.isinf, math.isinf)),
                                            (-jnp.inf, (math.isinf, math.isinf))])
 def test_a_non_finite_element_makes_its_leafs_sum_and_norm_non_finite(bad, expected):
