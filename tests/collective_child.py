@@ -37,9 +37,11 @@ def main(argv: list[str]) -> None:
         time.sleep(1.0)  # reads the next agreement late: process 0 must still be there to answer
     result["late"] = collective.broadcast_int(42 if me == 0 else 0)
     result["returned_at"] = time.time()
+    # Enough agreements to fill two batches of keys: the store keeps only the newest batch's.
+    result["many"] = [collective.broadcast_int(i if me == 0 else -1) for i in range(2 * collective.KEYS_PER_BATCH)]
     collective.barrier("after")
-    if me == 0:  # every agreement's key was removed once read
-        result["keys_left"] = len(collective._client().key_value_dir_get("checkpointing/agreement/"))
+    if me == 0:
+        result["keys_left"] = [key for key, _ in collective._client().key_value_dir_get("checkpointing/agreement/")]
     print("RESULT " + json.dumps(result))
     sys.stdout.flush()
 
