@@ -32,7 +32,10 @@ per preemption (the step the preempted pod reached minus the step the next one r
 latency (relaunch to the first step's loss, from the log's time stamp) and its split into the
 trainer's `phase <name> <secs>s` lines (process start, distributed start-up, compile, restore, first
 step), and the wall-time overhead per save ((wall - ideal wall - restart latencies) / saves of both
-tiers). A markdown table on stdout; --json_out writes the numbers. Every process is started in its
+tiers). And the CPU each run's pods used (user and system, every process, from getrusage of the waited
+children) with the cores it kept busy, and each service variant's CPU and wall time beyond plain Orbax's
+run of the same round: on saturated cores, CPU spent is wall time lost. A markdown table on stdout;
+--json_out writes the numbers. Every process is started in its
 own group and killed by PID on any exit.
 """
 
@@ -40,6 +43,7 @@ import atexit
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import subprocess
@@ -52,7 +56,7 @@ from absl import app, flags, logging
 
 from benchmarks.common import ROOT, fresh_memory_fill_secs
 from benchmarks.goodput_events import LogProgress, event_report
-from benchmarks.goodput_report import fill_report, report, summarise, targets
+from benchmarks.goodput_report import cpu_report, fill_report, report, summarise, targets
 
 STEPS = flags.DEFINE_integer("steps", 80, "Steps of every variant.", lower_bound=10)
 SAVE_EVERY_STEPS = flags.DEFINE_integer("save_every_steps", 10, "Fixed save cadence (service, plain_orbax).")
@@ -186,6 +190,7 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
     local_prefix = os.path.join(local_root or root, f"{os.path.basename(root)}-{variant}-local")
     module, args = variant_command(variant, workdir, cache_dir, local_prefix)
     settle()
+    cpu_before = children_cpu_secs()
     begin, launches, pending = time.monotonic(), [], list(schedule)
     while True:
         log_path = os.path.join(root, f"{variant}-{len(launches)}.log")
@@ -209,7 +214,15 @@ def run_variant(variant: str, root: str, cache_dir: str, schedule: list[tuple[fl
             break
         if proc.returncode != 75 or len(launches) > len(schedule) + 2:
             raise RuntimeError(f"{variant}: pod exited {proc.returncode}; see {log_path}")
-    return summarise(variant, time.monotonic() - begin, launches, workdir)
+    return {**summarise(variant, time.monotonic() - begin, launches, workdir),
+            "cpu_secs": children_cpu_secs() - cpu_before}
+
+
+def children_cpu_secs() -> float:
+    """User and system CPU of every process this one has waited for, their own children included: a run's
+    pods (launch.local waits for its trainers, and this process for launch.local)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def settle() -> None:
@@ -272,7 +285,7 @@ def main(argv: list[str]) -> None:
     events_table, events = event_report(rounds)
     out.update(events)
     table += "\n\nPer-event costs, measured within each launch (benchmarks/goodput_events.py):\n\n" + events_table
-    table += "\n\n" + fill_report(fills, out)
+    table += "\n\n" + cpu_report(rounds, out) + "\n\n" + fill_report(fills, out)
     out["schedule"], out["fresh_memory_fill_secs_per_round"] = schedule, fills
     out["load_average"] = os.getloadavg()
     out["rounds"] = rounds  # every launch's events and phases: the report can be recomputed from the JSON

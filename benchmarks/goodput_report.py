@@ -118,6 +118,27 @@ def report(rounds: list[dict[str, dict]]) -> tuple[str, dict]:
     return "\n".join(lines), out
 
 
+def cpu_report(rounds: list[dict[str, dict]], out: dict) -> str:
+    """One line: each variant's CPU seconds per run (every process of its pods) and the cores they kept busy;
+    and what each service variant's run spent beyond plain Orbax's of the same round, in CPU and in wall time
+    (medians of the rounds' differences): where the cores are saturated, extra CPU is wall time lost."""
+    names = list(rounds[0])
+    if any("cpu_secs" not in r[name] for r in rounds for name in names):
+        return ""
+    parts = []
+    for name in names:
+        cpu, busy = [r[name]["cpu_secs"] for r in rounds], [r[name]["cpu_secs"] / r[name]["wall_secs"] for r in rounds]
+        out[f"cpu_secs_median_{name}"], out[f"cores_busy_median_{name}"] = median(cpu), median(busy)
+        parts.append(f"{name} {median(cpu):.1f} s ({median(busy):.2f} cores)")
+    line = f"CPU per run, medians over rounds (cores busy): {', '.join(parts)}."
+    for name in [n for n in names if n.startswith("service") and "plain_orbax" in names]:
+        cpu = median([r[name]["cpu_secs"] - r["plain_orbax"]["cpu_secs"] for r in rounds])
+        wall = median([r[name]["wall_secs"] - r["plain_orbax"]["wall_secs"] for r in rounds])
+        out[f"extra_cpu_secs_{name}"], out[f"extra_wall_secs_{name}"] = cpu, wall
+        line += f" {name} beyond plain_orbax, per run: {cpu:+.2f} s CPU, {wall:+.2f} s wall."
+    return line
+
+
 def fill_report(fills: list[float], out: dict) -> str:
     """One line: each round's fresh-memory fill time (benchmarks/common.py) beside its implied service /
     plain Orbax ratio, so a drift of the ratio can be set against the machine's."""
