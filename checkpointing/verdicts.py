@@ -196,12 +196,35 @@ def proved_steps(workdir: str, among) -> list[int]:
 
 def newest_proved_step(workdir: str, among) -> int | None:
     """The newest of `among` that is proved: proved_steps()[-1], read from the newest step down and stopped at
-    the first proved one (usually one or two reads, not two per committed step: retention asks at every save
-    and the progress line every few seconds, and on gs:// each read is a request)."""
-    for step in sorted(among, reverse=True):
+    the first proved one. Retention asks at every save, inside save(), and the progress line every few
+    seconds; on gs:// each read is a request. A verifier that keeps pace proves one of the newest two: one or
+    two reads. Past them, one listing of the verdicts says which older steps have one to read, so a run whose
+    verifier is behind or not running (with 100 kept milestones: 100 reads a save) pays one listing."""
+    newest_first = sorted(among, reverse=True)
+    for step in newest_first[:_READS_BEFORE_LISTING]:
         if is_proved(for_save(workdir, step)):
             return step
+    older = newest_first[_READS_BEFORE_LISTING:]
+    listed = _steps_with_verdicts(workdir) if older else set()
+    for step in older:
+        if step in listed and is_proved(for_save(workdir, step)):
+            return step
     return None
+
+
+# The newest steps read before listing the verdicts: where a verifier keeps pace, one of them is proved.
+_READS_BEFORE_LISTING = 2
+
+
+def _steps_with_verdicts(workdir: str) -> set[int]:
+    """The steps with a verdict file (one listing; a verdict written after it counts at the next ask)."""
+    fresh_path(workdir)  # gcsfs's cached listing would hide the verifier's newer verdicts
+    directory = workdir_lib.verdicts_dir(workdir)
+    try:
+        names = [path.name for path in directory.iterdir()]
+    except FileNotFoundError:  # no verdict yet
+        return set()
+    return {int(name[:-5]) for name in names if name.endswith(".json") and name[:-5].isdigit()}
 
 
 def describe(workdir: str, step: int) -> str:

@@ -129,3 +129,23 @@ def test_the_newest_proved_step_reads_from_the_newest_down_and_stops_at_the_firs
     monkeypatch.setattr(verdicts, "read", lambda w, step: read.append(step) or original(w, step))
     assert verdicts.newest_proved_step(workdir, list(range(10, 110, 10))) == 90
     assert read == [100, 90]
+
+
+def test_past_the_newest_two_steps_one_listing_says_which_older_steps_have_a_verdict_to_read(tmp_path, monkeypatch):
+    """A verifier behind or not running: retention (at every save) reads two verdicts and lists once, not one
+    read per kept step; the answer is still proved_steps()[-1]."""
+    workdir = str(tmp_path)
+    steps = list(range(10, 1010, 10))  # 100 kept steps, e.g. milestones
+    read = []
+    original = verdicts.read
+    monkeypatch.setattr(verdicts, "read", lambda w, step: read.append(step) or original(w, step))
+    assert verdicts.newest_proved_step(workdir, steps) is None  # no verdicts directory yet
+    assert read == [1000, 990]
+    verdicts.write(workdir, verdict(300, level="resumes", status="pass"))
+    verdicts.write(workdir, verdict(500, level="reproduced", status="fail"))
+    read.clear()
+    assert verdicts.newest_proved_step(workdir, steps) == 300
+    assert read == [1000, 990, 500, 300]
+    monkeypatch.setattr(verdicts, "read", original)
+    for among in (steps, steps[:29], steps[30:], [300, 990, 1000], [500]):
+        assert verdicts.newest_proved_step(workdir, among) == (verdicts.proved_steps(workdir, among) or [None])[-1]
