@@ -142,7 +142,7 @@ class Saver:
         reason, tier = self.schedule.reason(step, final=step == self._end_step), manifest_lib.PERSISTENT
         started = self._clock()
         if reason and step != self._last_saved:
-            self._save(step, state, reason)
+            committed += self._save(step, state, reason)
         elif self._local is not None and self.schedule.local_due(step):
             reason, tier = "interval", manifest_lib.LOCAL
             self._save_local(step, state, reason)
@@ -176,11 +176,14 @@ class Saver:
             except (AsyncSaveError, OSError) as err:
                 self._local_failed(err)
 
-    def _save(self, step: int, state, reason: str) -> None:
+    def _save(self, step: int, state, reason: str) -> tuple[int, ...]:
+        """Starts the save of `step`; returns the previous save's step if this call saw it commit."""
+        committed = ()
         if self._save_started is not None:
             # The previous save is still writing: Orbax would wait for it inside save() anyway;
             # waiting here first records its commit time instead of losing it.
             self._service.wait_until_finished()
+            committed = (self._last_saved,)
             self._committed(self._clock())
         losses = self.losses.until(step)
         started = self._clock()
@@ -191,6 +194,7 @@ class Saver:
         self._save_started = started
         self.schedule.save_started(self._clock() - started)
         self._last_saved = step
+        return committed
 
     def _save_local(self, step: int, state, reason: str) -> None:
         """Starts a local save. Never fatal: Orbax re-raises the previous local write's failure (a full

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import shutil
 import struct
 import xml.etree.ElementTree as ElementTree
@@ -80,6 +81,23 @@ def test_progress_line_is_logged_at_the_log_cadence(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if " progress " in r.getMessage()]
     assert [line.split()[1] for line in lines] == ["4", "9"]
     assert "progress 10/10 (100%) eta 0m00s" in lines[-1] and "last committed" in lines[-1]
+
+
+def test_the_progress_line_shows_each_commit_the_trainer_sees_at_once_not_at_the_next_re_read(tmp_path, caplog):
+    """The status is re-read every 10 s; a run this short would show "last committed -" throughout. Once the
+    save of S is handed off, the save before it has committed (Orbax waits for it): every later line names it."""
+    caplog.set_level(logging.INFO)
+    loop.train(helpers.small_config(str(tmp_path / "run"), steps=30, save_every_steps=5, log_every_steps=1))
+    shown = {}
+    for record in caplog.records:
+        if match := re.search(r" progress (\d+)/30 .* last committed (\S+)", record.getMessage()):
+            shown[int(match[1])] = None if match[2] == "-" else int(match[2])
+    assert sorted(shown) == list(range(1, 31))
+    # The save of 5 * ((done - 1) // 5) started before line `done`, so the one before it had committed.
+    for done in range(11, 31):
+        assert shown[done] is not None and shown[done] >= 5 * ((done - 1) // 5) - 5, (done, shown)
+    values = [shown[d] for d in range(11, 31)]
+    assert values == sorted(values) and all(v % 5 == 0 for v in values), shown
 
 
 @pytest.mark.slow

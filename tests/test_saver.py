@@ -104,8 +104,9 @@ def test_events_say_what_was_saved_why_and_what_committed(workdir, watchdog):
     saved = [(e.step, e.reason, e.tier) for e in events if e.saved]
     assert saved == [(5, "interval", "persistent"), (10, "interval", "persistent"), (12, "final", "persistent")]
     assert all(e.blocking_secs >= 0 for e in events) and not any(e.blocking_secs for e in events if not e.saved)
-    seen = [s for e in events for s in e.committed]  # commits land in the background: seen at a later step
-    assert seen == sorted(seen) and set(seen) <= {5, 10}
+    # Commits land in the background: each is seen once, at a later step boundary or when the next save
+    # waits for it (the final save's commit is close()'s).
+    assert [s for e in events for s in e.committed] == [5, 10]
 
 
 def test_time_based_saves_follow_the_injected_clock(workdir, watchdog):

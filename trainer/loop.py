@@ -87,6 +87,8 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
                 hook_secs += time.perf_counter() - hook_start
                 if event is not None:
                     commit_secs = list(event.commit_secs)
+                    if event.committed and loss_log.metrics is not None:
+                        loss_log.metrics.status.saw_commit(max(event.committed))
                     if event.saved:
                         save_blocking.append(event.blocking_secs)
     except Preempted:

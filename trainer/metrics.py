@@ -155,7 +155,8 @@ threading.excepthook = _excepthook  # tensorboardX writes from a thread of its o
 
 
 class RunStatus:
-    """The last committed and last reproduced step, re-read at most every STATUS_EVERY_SECS.
+    """The last committed and last reproduced step, re-read at most every STATUS_EVERY_SECS; a commit the
+    trainer itself sees (saw_commit) shows at once.
 
     Cheap reads only: the checkpoint directory listing and the verdicts of committed steps.
     """
@@ -179,6 +180,10 @@ class RunStatus:
         except Exception as err:  # a status line is not worth a crash
             logging.log_every_n_seconds(logging.WARNING, "metrics: cannot read the run's status in %s (%s)", 600,
                                         self._workdir, one_line_cause(err))
+
+    def saw_commit(self, step: int) -> None:
+        """This trainer saw its save of `step` commit: shown at once, not at the next re-read."""
+        self.committed = step if self.committed is None else max(self.committed, step)
 
     def count_preemptions(self) -> None:
         """Preemption checkpoints among the committed ones (read once, at start-up)."""
