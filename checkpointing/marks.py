@@ -14,17 +14,14 @@ the step that writes the state, before any write of this save has started, and s
 
 The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both replicated; a
 part not asked is None. `marks_fn` keeps them in two executables per layout, dispatched only when asked: the
-fingerprints, which a restart compiles before its restore (the check needs them), and the summaries, compiled at
-the first probe (where the probe does not take them on the host, as it does on CPU devices:
-checkpointing/probes.py; there the Checkpointer never asks a step for them). Each is one global jit of per-leaf
-reductions (XLA partitions them), with no conditional: in one executable under `lax.cond` per part, a 4-layer
-transformer's marks (213 leaves) cost a restart more than its step did (1.13 s against 0.89 s from a warm
-cache), and its fingerprints alone cost 0.38 s (benchmarks/compile_bench.py). They may also be computed inside
-the step itself, but that changes how XLA compiles the update (the trainer's losses then differed from the plain
-step's in the last bits): ours keep them apart. `step_marks` is the same marks inside a caller's own jit, asked
-by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the Checkpointer did not ask
-is saved as before: save() dispatches the fingerprints itself (a time-based or preemption save is not known a
-step ahead). The values are the same: the fingerprint is integer arithmetic (tests/test_marks.py).
+fingerprints (each device hashes its slice, one all-reduce), which a restart compiles before its restore (the
+check needs them), and the summaries, compiled at the first probe (where the probe does not take them on the
+host, as on CPU devices: checkpointing/probes.py). Neither holds a conditional (under `lax.cond` per part, a
+transformer's marks cost a restart more than its step: benchmarks/compile_bench.py), nor is inside the step (that
+changed how XLA compiled the update: losses differed in the last bits). `step_marks` is the same marks inside a
+caller's own jit, asked by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the
+Checkpointer did not ask is saved as before: save() dispatches the fingerprints itself (a time-based or
+preemption save is not known a step ahead). The values are the same: integer arithmetic (tests/test_marks.py).
 """
 
 import dataclasses
@@ -89,15 +86,11 @@ def step_marks(state, flags: jax.Array, shardings) -> tuple[jax.Array, jax.Array
     shapes = [_global_shape(x) for x in leaves]
 
     def local(flags, *shards):
-        owned = [_owner(mesh, spec) for spec in specs]  # a replicated shard is counted once
         zeros = lambda width, dtype: jnp.zeros((len(shards), width), dtype)
-        lanes = jax.lax.cond(flags[0], lambda: jnp.stack(
-            [_local_lanes_jit(x, spec, shape, mesh) for x, spec, shape in zip(shards, specs, shapes)]),
-            lambda: zeros(2, jnp.uint32))
+        lanes = jax.lax.cond(flags[0], lambda: _shard_lanes(shards, specs, shapes, mesh), lambda: zeros(2, jnp.uint32))
         parts = jax.lax.cond(flags[1], lambda: jnp.stack([_local_parts_jit(x) for x in shards]),
                              lambda: zeros(3, jnp.float32))
-        mask = jnp.stack(owned)
-        axes = tuple(mesh.axis_names)
+        mask, axes = _owned(specs, mesh), tuple(mesh.axis_names)
         fingerprints = jax.lax.psum(jnp.where(mask[:, None], lanes, jnp.uint32(0)), axes)
         total = jax.lax.psum(jnp.where(mask, parts[:, 0], 0.0), axes)
         scale = jax.lax.pmax(parts[:, 1], axes)
@@ -127,15 +120,18 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _owner(mesh: Mesh, spec: P) -> jax.Array:
-    """True on the one device of each replica group that holds a leaf's shard at index 0 of every mesh axis
-    the leaf is not sharded over."""
-    used = {axis for entry in spec for axis in _axes(entry)}
-    owner = jnp.bool_(True)
-    for axis in mesh.axis_names:
-        if axis not in used:
-            owner = owner & (jax.lax.axis_index(axis) == 0)
-    return owner
+def _shard_lanes(shards, specs, shapes, mesh: Mesh) -> jax.Array:
+    """uint32[n, 2]: each shard's part of its leaf's fingerprint (inside shard_map)."""
+    return jnp.stack([_local_lanes_jit(x, spec, shape, mesh) for x, spec, shape in zip(shards, specs, shapes)])
+
+
+def _owned(specs, mesh: Mesh) -> jax.Array:
+    """bool[n]: whether this device's shard of each leaf counts: on the device at index 0 of every mesh axis
+    the leaf is not sharded over (a replicated shard is counted once)."""
+    first = {axis: jax.lax.axis_index(axis) == 0 for axis in mesh.axis_names}
+    used = [{axis for entry in spec for axis in _axes(entry)} for spec in specs]
+    return jnp.stack([functools.reduce(jnp.logical_and, [first[a] for a in mesh.axis_names if a not in u],
+                                       jnp.bool_(True)) for u in used])
 
 
 def _local_lanes(shard: jax.Array, spec: P, shape: tuple[int, ...], mesh: Mesh) -> jax.Array:
@@ -173,9 +169,20 @@ _leaf_summary = jax.jit(probes.leaf_summary)
 
 
 def _stacked_fingerprints(state, shardings: tuple) -> jax.Array:
-    # Each leaf read once, not once per replica (checkpointing/replicas.py): integer sums, the same values.
-    return jnp.stack([fingerprint_lib._leaf_fingerprint(replicas.constrained(x, replicas.spread(sharding, x.shape)))
-                      for x, sharding in zip(jax.tree.leaves(state), shardings, strict=True)])
+    """uint32[n, 2]: each leaf's fingerprint.leaf_fingerprint (integer sums: the same values), each leaf read once
+    in the pod: a leaf replicated over processes too is split over them (replicas.spread), and the partial lanes
+    meet in one all-reduce of n x 2 words (per leaf, as XLA partitions reductions, gloo cost what the split saved)."""
+    leaves = jax.tree.leaves(state)
+    mesh = shardings[0].mesh
+    specs = [(replicas.spread(sharding, x.shape, across_processes=True) or sharding).spec
+             for x, sharding in zip(leaves, shardings, strict=True)]
+    shapes = [_global_shape(x) for x in leaves]
+
+    local = lambda *shards: jax.lax.psum(jnp.where(_owned(specs, mesh)[:, None], _shard_lanes(
+        shards, specs, shapes, mesh), jnp.uint32(0)), tuple(mesh.axis_names))
+    in_specs = tuple(_padded(spec, x) for spec, x in zip(specs, leaves))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
+        *[_words_of(x) for x in leaves])
 
 
 def _stacked_summaries(state) -> jax.Array:

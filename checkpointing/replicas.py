@@ -8,9 +8,11 @@ keeps a slice of the block it holds (a local slice, no collective); the partial 
 gather of the check's replicated output. On the verifier's data=4,model=2 mesh (8 CPU devices, 260 MiB)
 the fingerprint pass took 0.058 -> 0.026 s, and the finite check 0.12 -> 0.03 s (compare.nonfinite_leaves).
 
-Only axes within one process are used: a split over processes would add a collective between hosts to
-every check, and to the trainer's saves (on the goodput benchmark's data=2 over 2 processes, nothing
-changes). Only for integer sums and flags: their values are the same for any split.
+By default only axes within one process are used: XLA combines each leaf's partial results in a
+collective of its own, and between hosts (gloo here) one per leaf cost what the halved reads saved. The
+save marks' fingerprints split over processes too (`across_processes`) and combine every leaf's partial
+lanes in one all-reduce (checkpointing/marks.py). Only for integer sums and flags: their values are the
+same for any split.
 """
 
 import functools
@@ -20,9 +22,11 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 
-def spread(sharding, shape: tuple[int, ...]) -> NamedSharding | None:
+def spread(sharding, shape: tuple[int, ...], across_processes: bool = False) -> NamedSharding | None:
     """`sharding` also split over the mesh axes the leaf is replicated on (within a process, where a
-    dimension divides), or None where nothing changes (then the check's program is as before)."""
+    dimension divides; `across_processes`, over any axis: for a program whose partial results meet in
+    one collective of its own, checkpointing/marks.py), or None where nothing changes (then the check's
+    program is as before)."""
     if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
         return None
     mesh, spec = sharding.mesh, list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
@@ -33,7 +37,7 @@ def spread(sharding, shape: tuple[int, ...]) -> NamedSharding | None:
     used = {axis for entry in spec for axis in _axes(entry)}
     changed = False
     for axis in mesh.axis_names:
-        if axis in used or mesh.shape[axis] == 1 or not _within_processes(mesh, axis):
+        if axis in used or mesh.shape[axis] == 1 or not (across_processes or _within_processes(mesh, axis)):
             continue
         # The dimension with the largest blocks first: the slices stay long and contiguous.
         for dim in sorted(range(len(shape)), key=lambda d: -(shape[d] // _ways(mesh, spec[d]))):
