@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from launch import pod as pod_lib
 from trainer.config import TrainConfig, validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,3 +261,26 @@ def open_service(config: TrainConfig, program):
     run = RunMetadata.of_run(config.to_json(), config.fixed_names(), dict(program.mesh.shape),
                              program="trainer.program:replay_program")
     return CheckpointService(config.workdir, config.checkpoint, run=run)
+
+
+def pod_results(child_module: str, num_processes: int, devices_per_process: int,
+                timeout: float = 120) -> dict[int, dict]:
+    """Runs `child_module` on a real pod (launch/pod.py) and returns each process's "RESULT <json>" line
+    by process index; asserts every process exited 0, and kills any still running."""
+    output = io.StringIO()
+    pod, pumps = pod_lib.start_pod(child_module, [], num_processes=num_processes,
+                                   devices_per_process=devices_per_process, output=output)
+    try:
+        codes = [proc.wait(timeout=timeout) for proc in pod.processes]
+    finally:
+        pod.signal_all(signal.SIGKILL)  # any still running
+    for pump in pumps:
+        pump.join(timeout=10)
+    assert codes == [0] * num_processes, output.getvalue()[-3000:]
+    results = {}
+    for line in output.getvalue().splitlines():
+        index, _, text = line.partition("] RESULT ")
+        if text:
+            results[int(index.lstrip("["))] = json.loads(text)
+    assert sorted(results) == list(range(num_processes)), output.getvalue()[-3000:]
+    return results

@@ -2,33 +2,14 @@
 reaches every process through the runtime's key-value store, process 0 waits until every process has
 read it, and the store keeps at most one batch of keys."""
 
-import io
-import json
-import signal
-
 import pytest
 
-from launch import pod as pod_lib
+from tests import helpers
 
 
 @pytest.mark.slow
 def test_every_process_gets_process_0s_answer_through_the_store():
-    output = io.StringIO()
-    pod, pumps = pod_lib.start_pod("tests.collective_child", [], num_processes=3, devices_per_process=1,
-                                   output=output)
-    try:
-        codes = [proc.wait(timeout=120) for proc in pod.processes]
-    finally:
-        pod.signal_all(signal.SIGKILL)  # any still running
-    for pump in pumps:
-        pump.join(timeout=10)
-    assert codes == [0, 0, 0], output.getvalue()[-3000:]
-    results = {}
-    for line in output.getvalue().splitlines():
-        index, _, text = line.partition("] RESULT ")
-        if text:
-            results[int(index.lstrip("["))] = json.loads(text)
-    assert sorted(results) == [0, 1, 2]
+    results = helpers.pod_results("tests.collective_child", num_processes=3, devices_per_process=1)
     for result in results.values():
         assert result["ints"] == [1, 2]
         assert result["rows"] == [[0, 0], [0, 1], [0, 2]]

@@ -2,32 +2,14 @@
 are hashed half by each process, and the partial lanes meet in one all-reduce; the values are each leaf's
 fingerprint computed whole (checkpointing/marks.py)."""
 
-import io
-import json
-import signal
-
 import pytest
 
-from launch import pod as pod_lib
+from tests import helpers
 
 
 @pytest.mark.slow
 def test_a_pods_fingerprints_split_over_processes_equal_each_leafs_whole_in_one_all_reduce():
-    output = io.StringIO()
-    pod, pumps = pod_lib.start_pod("tests.marks_pod_child", [], num_processes=2, devices_per_process=2, output=output)
-    try:
-        codes = [proc.wait(timeout=120) for proc in pod.processes]
-    finally:
-        pod.signal_all(signal.SIGKILL)  # any still running
-    for pump in pumps:
-        pump.join(timeout=10)
-    assert codes == [0, 0], output.getvalue()[-3000:]
-    results = {}
-    for line in output.getvalue().splitlines():
-        index, _, text = line.partition("] RESULT ")
-        if text:
-            results[int(index.lstrip("["))] = json.loads(text)
-    assert sorted(results) == [0, 1]
+    results = helpers.pod_results("tests.marks_pod_child", num_processes=2, devices_per_process=2)
     for result in results.values():
         assert sorted(result["got"]) == sorted(result["whole"]) and len(result["got"]) == 7, result
         assert result["got"] == result["whole"], result
