@@ -263,12 +263,12 @@ def open_service(config: TrainConfig, program):
     return CheckpointService(config.workdir, config.checkpoint, run=run)
 
 
-def pod_results(child_module: str, num_processes: int, devices_per_process: int,
+def pod_results(child_module: str, num_processes: int, devices_per_process: int, flags: list[str] = (),
                 timeout: float = 120) -> dict[int, dict]:
-    """Runs `child_module` on a real pod (launch/pod.py) and returns each process's "RESULT <json>" line
-    by process index; asserts every process exited 0, and kills any still running."""
+    """Runs `child_module` with `flags` on a real pod (launch/pod.py) and returns each process's "RESULT <json>"
+    line by process index; asserts every process exited 0, and kills any still running."""
     output = io.StringIO()
-    pod, pumps = pod_lib.start_pod(child_module, [], num_processes=num_processes,
+    pod, pumps = pod_lib.start_pod(child_module, list(flags), num_processes=num_processes,
                                    devices_per_process=devices_per_process, output=output)
     try:
         codes = [proc.wait(timeout=timeout) for proc in pod.processes]

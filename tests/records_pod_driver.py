@@ -1,6 +1,6 @@
 """One process of a local pod reading record batches: python -m tests.records_pod_driver --pattern=GLOB ...
 
-Prints, as its last stdout line, JSON: the row ranges this process read, how many records and steps
+Prints, as its last stdout line, `RESULT <json>`: the row ranges this process read, how many records and steps
 it read, and each step's global batch gathered from all processes (the test compares them).
 """
 
@@ -35,8 +35,9 @@ def main(argv):
     finally:
         batches.close()
     gathered = [multihost_utils.process_allgather(a, tiled=True)[:, 0].tolist() for a in arrays]
-    print(json.dumps({"process": jax.process_index(), "ranges": batches.ranges, "steps_read": batches.steps_read,
-                      "records_read": dataset.records_read, "batches": gathered}), flush=True)
+    result = {"process": jax.process_index(), "ranges": batches.ranges, "steps_read": batches.steps_read,
+              "records_read": dataset.records_read, "batches": gathered}
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

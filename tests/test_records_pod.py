@@ -1,13 +1,11 @@
 """Record batches on real pods and the prepare command line: processes, so the slow tier."""
 
-import io
 import json
 import os
 import subprocess
 
 import pytest
 
-from launch import pod as pod_lib
 from tests import helpers, records_util
 from trainer import input as data_input
 
@@ -16,24 +14,10 @@ pytestmark = pytest.mark.slow
 BATCH, STEPS = 8, 6
 
 
-def run_pod(pattern: str, mesh: str, timeout: float = 120) -> list[dict]:
-    output = io.StringIO()
-    pod, pumps = pod_lib.start_pod("tests.records_pod_driver", [f"--pattern={pattern}", f"--mesh={mesh}",
-                                                                f"--batch_size={BATCH}", f"--steps={STEPS}"],
-                                   num_processes=2, devices_per_process=4, output=output)
-    try:
-        for proc in pod.processes:
-            proc.wait(timeout=timeout)
-    finally:
-        for index, proc in enumerate(pod.processes):
-            if proc.poll() is None:
-                pod.kill(index)
-                proc.wait(timeout=30)
-        for pump in pumps:
-            pump.join(timeout=5)
-    assert [p.returncode for p in pod.processes] == [0, 0], output.getvalue()[-3000:]
-    lines = [line.split("] ", 1)[1] for line in output.getvalue().splitlines() if '] {"process"' in line]
-    return sorted((json.loads(line) for line in lines), key=lambda r: r["process"])
+def run_pod(pattern: str, mesh: str) -> list[dict]:
+    flags = [f"--pattern={pattern}", f"--mesh={mesh}", f"--batch_size={BATCH}", f"--steps={STEPS}"]
+    results = helpers.pod_results("tests.records_pod_driver", num_processes=2, devices_per_process=4, flags=flags)
+    return [results[index] for index in sorted(results)]
 
 
 @pytest.mark.parametrize("mesh", ["data=8", "data=4,model=2"])
