@@ -15,7 +15,7 @@ _PUBLIC = {
     "marks_fn": "marks", "compile_marks": "marks", "compile_fingerprint_pass": "fingerprint",
     # configuration
     "CheckpointConfig": "config", "ConfigError": "config", "AUTO": "config", "option": "config",
-    "check_fields": "config", "format_mesh": "config", "parse_save_every_secs": "config",
+    "check_fields": "config", "format_mesh": "config", "resolve_path": "config", "parse_save_every_secs": "config",
     # what a workdir holds, read only
     "committed_steps": "workdir", "read_manifest": "workdir", "metrics_file": "workdir",
     "tensorboard_dir": "workdir", "expand_local_dir": "workdir", "check_workdir": "storage",

@@ -18,15 +18,16 @@ save in flight, so it cannot race the next writer, and releases the lease). docs
 import dataclasses
 from typing import Callable, Iterable
 
+from absl import logging
+
 from checkpointing import input_state
 from checkpointing import lease as lease_lib
 from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.config import AUTO, CheckpointConfig
-from checkpointing.errors import (BadCheckpointRequest, CheckpointError, LeaseLostError, NoSuchCheckpointError,
-                                  WorkdirLeasedError)
+from checkpointing.config import AUTO, CheckpointConfig, resolve_path
+from checkpointing.errors import (CheckpointError, LeaseLostError, WorkdirLeasedError)
 from checkpointing.probe_recorder import ProbeRecorder
 from checkpointing.saver import SaveEvent, Saver
 from checkpointing.schedule import SaveSchedule
@@ -65,7 +66,7 @@ class Checkpointer:
                 raise ValueError(f"--local_dir={self.options.local_dir}: a data_iterator is saved on the "
                                  "persistent tier only; use one or the other")
         self._data_iterator = data_iterator
-        self.workdir = str(workdir)
+        self.workdir = resolve_path(str(workdir), "workdir")
         self.total_steps = total_steps
         self.mesh = mesh
         run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program, total_steps=total_steps)
@@ -74,7 +75,7 @@ class Checkpointer:
         if self._candidates:  # another process count, or an iterator saved but not passed: refused here
             input_state.check_restorable(self.workdir, self._candidates[0], process_count=_process_count(),
                                          has_iterator=data_iterator is not None)
-        self.run = dataclasses.replace(run, init_from=self._init_from())
+        self.run = dataclasses.replace(run, init_from=restore_lib.init_from(self.workdir, self.options.init_from))
         self._lease = _acquire_pod_lease(self.workdir, self.options.lease_secs)
         self._owns_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog(watchdog_secs)
@@ -179,6 +180,7 @@ class Checkpointer:
         then releases the lease. Never raises over the error being handled."""
         if self._closed:
             return
+        failed = False
         for tier in (self.service, self.local):
             if tier is None:
                 continue
@@ -186,8 +188,23 @@ class Checkpointer:
                 try:
                     tier.wait_until_finished()
                 except CheckpointError:
-                    pass  # the error being raised already says what failed
+                    failed = True  # the error being raised already says what failed
+        self._remove_failed_saves(failed or self.service.failed_save)
         self._release()
+
+    def _remove_failed_saves(self, failed: bool) -> None:
+        """A failed save's temporary directory (a full disk) goes while this writer still holds the lease, so
+        its relaunch finds the space it needs; never after the lease was lost (the new holder's saves)."""
+        if not failed or self._lease is None:
+            return
+        try:
+            self._lease.check()
+            removed = workdir_lib.remove_killed_saves(self.workdir)
+        except Exception as err:  # noqa: BLE001  the next holder removes them; the failure is being raised
+            logging.warning("could not remove the failed save's temporary directory (%s)", err)
+            return
+        if removed:
+            logging.info("removed the temporary directory of the failed save: %s", removed)
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -213,34 +230,6 @@ class Checkpointer:
         newest = verdicts.newest_proved_step(self.workdir, steps)
         return [] if newest is None else [newest]
 
-    def _init_from(self) -> dict | None:
-        """The other run's step this run starts from: options.init_from resolved, or (once this run has
-        steps) what its newest manifest recorded; a relaunch naming another source is refused."""
-        committed = workdir_lib.committed_steps(self.workdir)
-        recorded = None
-        for step in reversed(committed):  # the newest readable manifest: a damaged one is the restore's to skip
-            try:
-                recorded = workdir_lib.read_manifest(self.workdir, step).get("init_from")
-                break
-            except CheckpointError:
-                continue
-        if not self.options.init_from:
-            return recorded
-        source, _, step_text = self.options.init_from.rpartition(":")
-        if not (source and step_text.isdigit()):
-            source, step_text = self.options.init_from, ""
-        if committed:
-            if recorded is None or recorded["workdir"] != source or step_text and int(step_text) != recorded["step"]:
-                raise BadCheckpointRequest(f"--init_from={self.options.init_from}: {self.workdir} already holds steps "
-                                           f"{committed} started from {recorded or 'the seed'}")
-            return recorded
-        steps = workdir_lib.committed_steps(source)
-        step = int(step_text) if step_text else (steps[-1] if steps else None)
-        if step is None or step not in steps:
-            raise NoSuchCheckpointError(f"--init_from={self.options.init_from}: not a committed step of {source} "
-                                        f"(committed: {steps or 'none'})")
-        return {"workdir": source, "step": step, "digest": workdir_lib.read_manifest(source, step)["digest"]}
-
 
 def _process_index() -> int:
     import jax
@@ -259,6 +248,10 @@ def _acquire_pod_lease(workdir: str, lease_secs: float) -> lease_lib.Lease | Non
     lease, error = None, None
     if collective.is_primary():
         try:
+            if lease_lib.free_to_take(workdir):  # a save that filled the disk must not keep the lease from us
+                removed = workdir_lib.remove_killed_saves(workdir)
+                if removed:
+                    logging.info("removed the temporary directories of saves that never committed: %s", removed)
             lease = lease_lib.acquire(workdir, lease_secs)
         except Exception as err:  # the other processes must not wait in the broadcast forever
             error = err

@@ -7,6 +7,7 @@ trainer's flags are generated from it and `check_fields` validates it, so each l
 
 import dataclasses
 import math
+import os
 from typing import Iterable, Mapping
 
 AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/policy.py)
@@ -48,6 +49,27 @@ def check_fields(config) -> None:
             raise ConfigError(f"--{field.name} must be <= {meta['maximum']}, got {value}")
 
 
+# Characters a path cannot hold and round-trip through Orbax and TensorStore: Orbax finds each process's
+# files of a step by globbing under the step's path (a wildcard there matches other directories, or
+# nothing: a bracket made every save of `exp[lr=0.01]` unrestorable), and TensorStore's file driver reads a
+# backslash as a separator. Control characters would split the one-line errors that name the path.
+_UNSAFE_IN_PATHS = {"*": "a glob wildcard", "?": "a glob wildcard", "[": "a glob bracket", "\\": "a backslash"}
+
+
+def resolve_path(value: str, flag: str) -> str:
+    """A path flag as every process and library must see it: a local path made absolute once, here
+    (Orbax refuses relative ones, and a process's working directory is not its peers'), '~' expanded;
+    gs:// as given. A ConfigError names the flag and the character that cannot round-trip."""
+    for char in value:
+        why = _UNSAFE_IN_PATHS.get(char) or ("a control character" if ord(char) < 32 or ord(char) == 127 else None)
+        if why:
+            raise ConfigError(f"{flag}={value!r}: {why} ({char!r}) cannot be saved and restored by Orbax; "
+                              "choose a path without * ? [ \\ or control characters")
+    if not value or "://" in value:
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
 def parse_save_every_secs(value) -> float | str:
     """'auto', or a number of seconds >= 0 (finite); anything else is a ConfigError naming it."""
     if isinstance(value, str) and value.strip() in (AUTO, BY_STEPS_OR_AUTO):
@@ -80,7 +102,8 @@ class CheckpointConfig:
     resume_from: str = option("latest", "latest | latest_verified | none (fresh; refuses a workdir with "
                                         "checkpoints) | STEP (see checkpointing/restore.py).")
     rollback: bool = option(False, "With --resume_from=STEP: a deliberate rollback; the committed steps newer "
-                                   "than STEP and their verdicts are moved to superseded/ (never deleted).")
+                                   "than STEP and their verdicts are moved to superseded/ (never deleted). With "
+                                   "--resume_from=none: every committed step moves there, and the run starts over.")
     preemption_grace_secs: float = option(60.0, "After a preemption decision the save must commit within this "
                                                 "many seconds, else exit 1.", positive=True)
     local_dir: str = option("", "Each host's own fast storage (RAM disk, local SSD) for the local tier; '{process}' "
@@ -120,9 +143,19 @@ class CheckpointConfig:
             raise ConfigError("--local_save_every_steps needs --local_dir")
         if "://" in config.local_dir:
             raise ConfigError(f"--local_dir={config.local_dir} must be a path on this host's own disk")
-        return config
+        return dataclasses.replace(config, local_dir=resolve_path(config.local_dir, "--local_dir"),
+                                   init_from=_resolve_init_from(config.init_from))
+
 
     @property
     def fixed_save_every_secs(self) -> float:
         """The time cadence when it is fixed; 0 under 'auto' (the trainer's AutoInterval decides)."""
         return 0.0 if self.save_every_secs == AUTO else float(self.save_every_secs)
+
+
+def _resolve_init_from(value: str) -> str:
+    """--init_from=WORKDIR[:STEP] with WORKDIR resolved (resolve_path), the step kept."""
+    source, sep, step = value.rpartition(":")
+    if not (source and step.isdigit()):
+        source, sep, step = value, "", ""
+    return resolve_path(source, "--init_from") + sep + step

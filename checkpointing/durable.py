@@ -40,6 +40,23 @@ def sync_dir(path) -> None:
         os.close(fd)
 
 
+def make_dirs(path) -> None:
+    """Creates `path` and its missing parents, each made durable by fsyncing its parent once it exists (a
+    file later fsynced inside a directory whose own entry was lost is lost with it). gs://: no directories."""
+    if not is_local(path):
+        return
+    path, missing = os.path.abspath(str(path)), []
+    while not os.path.isdir(path) and path != os.path.dirname(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:  # another process made it first: its entry still needs the fsync
+            pass
+        sync_dir(os.path.dirname(directory))
+
+
 def sync_tree(root) -> None:
     """fsyncs every file under `root`, then each directory, deepest first, `root` last."""
     for directory, _, files in os.walk(root, topdown=False):

@@ -104,6 +104,13 @@ def holder(workdir: str) -> Record | None:
     return newest[1] if newest else None
 
 
+def free_to_take(workdir: str, *, clock=time.time) -> bool:
+    """Whether nobody holds `workdir` (no record, released, expired, or its holder's pid on this host is gone):
+    then what a killed save left in checkpoints/ is nobody's, and may go before the lease is taken."""
+    newest = _newest(_store(workdir))
+    return newest is None or newest[1].free(clock()) or dead_here(newest[1], Identity.of_this_process())
+
+
 class Lease:
     """A held lease: renewed in the background until release(); call check() before each write."""
 

@@ -63,7 +63,7 @@ class LocalStore:
 
     def create(self, generation: int, text: str) -> None:
         """Creates the record unless the name exists (then the other's record stays)."""
-        os.makedirs(self.where, exist_ok=True)
+        durable.make_dirs(self.where)
         tmp = self._write_tmp(generation, text)
         try:
             os.link(tmp, self._path(generation))

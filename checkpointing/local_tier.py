@@ -35,6 +35,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from runtime import collective
+from checkpointing import durable
 from checkpointing import manifest as manifest_lib
 from checkpointing import orbax_hooks
 from checkpointing import workdir as workdir_lib
@@ -66,7 +67,7 @@ def manager_options(directory: str, read_only: bool) -> dict:
     Creates its checkpoints directory itself: Orbax refuses create=True with active_processes.
     """
     if not read_only:
-        workdir_lib.checkpoints_dir(directory).mkdir(parents=True, exist_ok=True)
+        durable.make_dirs(workdir_lib.checkpoints_dir(directory))
     return dict(multiprocessing_options=_this_process_alone(), create=False,
                 async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
 

@@ -11,9 +11,10 @@ import orbax.checkpoint as ocp
 
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import manifest as manifest_lib
+from checkpointing import reads
 from checkpointing import workdir as workdir_lib
-from checkpointing.errors import (CorruptCheckpointError, FingerprintMismatchError, NoSuchCheckpointError,
-                                  TreeMismatchError, one_line_cause)
+from checkpointing.errors import (FingerprintMismatchError, NoSuchCheckpointError,
+                                  TreeMismatchError)
 
 
 def saved_paths(manifest: dict, name: str) -> dict[str, str]:
@@ -51,12 +52,11 @@ def restore_subtree(directory: str, step: int, name: str, abstract_subtree) -> t
     restore_args = jax.tree.map(lambda leaf: ocp.ArrayRestoreArgs(sharding=leaf.sharding), target)
     manager = ocp.CheckpointManager(workdir_lib.checkpoints_dir(directory), item_names=(workdir_lib.STATE_ITEM,),
                                     options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    args = ocp.args.Composite(**{workdir_lib.STATE_ITEM: ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args, partial_restore=True)})
     try:
-        restored = manager.restore(step, args=ocp.args.Composite(**{workdir_lib.STATE_ITEM: ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True)}))
-    except Exception as err:
-        raise CorruptCheckpointError(f"step {step}: reading subtree {name!r} from "
-                                     f"{workdir_lib.step_dir(directory, step)} failed: {one_line_cause(err)}") from err
+        restored = reads.read_retrying(lambda: manager.restore(step, args=args), f"step {step}: reading subtree "
+                                       f"{name!r} from {workdir_lib.step_dir(directory, step)}")
     finally:
         manager.close()
     subtree = restored[workdir_lib.STATE_ITEM][key]

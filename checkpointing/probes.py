@@ -174,7 +174,7 @@ def write(workdir: str, probe: dict) -> None:
     path = workdir_lib.probe_file(workdir, probe["step"])
     text = json.dumps(probe, indent=1, sort_keys=True)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        durable.make_dirs(path.parent)
         if durable.is_local(path):
             durable.write_text(path, text)
         else:

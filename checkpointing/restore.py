@@ -1,13 +1,17 @@
 """What a start-up restores, and from which tier (the restore precedence, MaxText's rule made strict):
 
-  resume_from=latest           this workdir's newest committed step; if it cannot be read back
-                               (corrupt), the next newest, with an error log line; nothing: fresh.
+  resume_from=latest           this workdir's newest committed step; if it is corrupt (evidence: its
+                               fingerprints, tree, manifest, a file truncated or missing), the next
+                               newest, with an error log line; none at all: fresh. A read that fails for
+                               the storage (EIO, the network) is retried, then exit 1 (reads.py): never
+                               a fallback; and committed steps that all fail are exit 1, not step 0.
   resume_from=latest_verified  the newest step the verifier *reproduced* (proved from the seed's chain
                                of trust, its verdict naming this save's manifest digest); same fallback;
                                refuses a workdir that has checkpoints but no reproduced step.
   resume_from=STEP             exactly that step, or exit 2; refused while newer steps exist unless
                                rollback (--rollback): then they are set aside, as below.
-  resume_from=none             fresh, and refuses a workdir that already has checkpoints.
+  resume_from=none             fresh, and refuses a workdir that already has checkpoints; with
+                               rollback, sets every committed step aside and starts from step 0.
 With a local tier and resume_from=latest, the newest step complete in EVERY host's local tier comes
 first when it is at least the newest persistent step; a local step written by another layout (mesh,
 process count) is skipped with one log line, a damaged one with an error line. A local step is never
@@ -52,14 +56,18 @@ def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata,
     Reads only the directory listing, the verdicts and one manifest, so a bad request fails
     before any compile, log line or write.
     """
+    for link, target in workdir_lib.linked_steps(workdir).items():
+        raise BadCheckpointRequest(f"{link} is a symbolic link to {target}: a run's steps must be its own "
+                                   "directories (retention deletes them); replace it by a copy, or remove it")
     committed = workdir_lib.committed_steps(workdir)
-    if options.rollback and not options.resume_from.isdigit():
-        raise BadCheckpointRequest(f"--rollback needs --resume_from=STEP (the step to roll back to), "
-                                   f"got --resume_from={options.resume_from}")
+    if options.rollback and not (options.resume_from.isdigit() or options.resume_from == "none"):
+        raise BadCheckpointRequest(f"--rollback needs --resume_from=STEP (the step to roll back to) or none (to "
+                                   f"step 0), got --resume_from={options.resume_from}")
     if options.resume_from == "none":
-        if committed:
+        if committed and not options.rollback:
             raise BadCheckpointRequest(f"--resume_from=none but {workdir} already has committed steps {committed}; "
-                                       "use a new --workdir or --resume_from=latest")
+                                       "use a new --workdir, --resume_from=latest, or add --rollback to start over "
+                                       "from step 0 (they move to superseded/ with their verdicts)")
         return []
     if options.resume_from == "latest":
         candidates = committed[::-1]
@@ -90,6 +98,35 @@ def resume_candidates(workdir: str, options: CheckpointConfig, run: RunMetadata,
     return candidates
 
 
+def init_from(workdir: str, requested: str) -> dict | None:
+    """The other run's step a run in `workdir` starts from: `requested` (--init_from=WORKDIR[:STEP]) resolved,
+    or (once the run has steps) what its newest manifest recorded; a relaunch naming another source is refused."""
+    committed = workdir_lib.committed_steps(workdir)
+    recorded = None
+    for step in reversed(committed):  # the newest readable manifest: a damaged one is the restore's to skip
+        try:
+            recorded = workdir_lib.read_manifest(workdir, step).get("init_from")
+            break
+        except CheckpointError:
+            continue
+    if not requested:
+        return recorded
+    source, _, step_text = requested.rpartition(":")
+    if not (source and step_text.isdigit()):
+        source, step_text = requested, ""
+    if committed:
+        if recorded is None or recorded["workdir"] != source or step_text and int(step_text) != recorded["step"]:
+            raise BadCheckpointRequest(f"--init_from={requested}: {workdir} already holds steps "
+                                       f"{committed} started from {recorded or 'the seed'}")
+        return recorded
+    steps = workdir_lib.committed_steps(source)
+    step = int(step_text) if step_text else (steps[-1] if steps else None)
+    if step is None or step not in steps:
+        raise NoSuchCheckpointError(f"--init_from={requested}: not a committed step of {source} "
+                                    f"(committed: {steps or 'none'})")
+    return {"workdir": source, "step": step, "digest": workdir_lib.read_manifest(source, step)["digest"]}
+
+
 def restore_or_init(options: CheckpointConfig, service: CheckpointService, local: CheckpointService | None,
                     candidates: list[int], abstract_state, init_fn: Callable[[], object],
                     init_from: dict | None = None) -> RestoreResult:
@@ -99,6 +136,12 @@ def restore_or_init(options: CheckpointConfig, service: CheckpointService, local
     resumed = _restore_local(options, local, abstract_state, newest_persistent=candidates[0] if candidates else -1)
     if resumed is None:
         resumed = _restore_persistent(options, service, candidates, abstract_state)
+    if resumed is None and options.rollback:  # --resume_from=none --rollback: back to step 0, deliberately
+        steps = service.committed_steps()
+        if steps:
+            logging.warning("--resume_from=none --rollback: setting aside steps %s in %s/superseded", steps,
+                            service.directory)
+            service.set_aside(steps)
     if resumed is None:
         resumed = RestoreResult(0, fresh_state(init_fn, abstract_state, init_from), None, None)
         if collective.is_primary():
@@ -169,6 +212,7 @@ def _restore_local(options: CheckpointConfig, local: CheckpointService | None, a
 
 def _restore_persistent(options: CheckpointConfig, service: CheckpointService, candidates: list[int],
                         abstract_state) -> RestoreResult | None:
+    failures = []
     for index, step in enumerate(candidates):
         try:
             restored = service.restore(step, abstract_state)
@@ -182,8 +226,10 @@ def _restore_persistent(options: CheckpointConfig, service: CheckpointService, c
                 raise
             if len(candidates) == 1 and options.resume_from not in ("latest", "latest_verified"):
                 raise
-            logging.error("checkpoint step %d cannot be restored (%s); falling back to %s", step, err,
-                          f"step {candidates[index + 1]}" if index + 1 < len(candidates) else "a fresh start")
+            failures.append(str(err))
+            if index + 1 < len(candidates):
+                logging.error("checkpoint step %d cannot be restored (%s); falling back to step %d", step, err,
+                              candidates[index + 1])
             continue
         newer = [s for s in service.committed_steps() if s > step]
         if newer:
@@ -193,8 +239,11 @@ def _restore_persistent(options: CheckpointConfig, service: CheckpointService, c
         if collective.is_primary():
             logging.info("resumed from step %d (persistent), saved on mesh %s", step, restored.manifest["mesh"])
         return RestoreResult(step, restored.state, manifest_lib.PERSISTENT, restored.manifest)
-    if candidates:
-        service.set_aside(service.committed_steps())
+    if candidates:  # committed steps, none restorable: a run never goes back to step 0 unless told to
+        raise CorruptCheckpointError(
+            f"no committed step of {service.directory} can be restored ({'; '.join(failures)}); nothing was set "
+            "aside; to start this workdir over from step 0, run with --resume_from=none --rollback (they move to "
+            "superseded/)")
     return None
 
 

@@ -23,18 +23,20 @@ import orbax.checkpoint as ocp
 from absl import logging
 from orbax.checkpoint import checkpoint_managers
 
+from checkpointing import durable
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import marks as marks_lib
 from checkpointing import input_state
 from checkpointing import local_tier
 from checkpointing import orbax_hooks
+from checkpointing import reads
 from checkpointing.config import CheckpointConfig
 from checkpointing import manifest as manifest_lib
 from checkpointing import workdir as workdir_lib
 from checkpointing.checks import check_config_matches, check_fingerprints, check_tree_matches
 from checkpointing.run_metadata import RunMetadata  # noqa: F401  (here since the service's first version)
 from runtime import collective
-from checkpointing.errors import (AsyncSaveError, CorruptCheckpointError, NoSuchCheckpointError,
+from checkpointing.errors import (AsyncSaveError, NoSuchCheckpointError,
                                   StepAlreadyCommittedError, one_line_cause)
 
 
@@ -65,6 +67,7 @@ class CheckpointService:
         self._run = run
         self._writer_check = writer_check  # raises (e.g. LeaseLostError) once this process may no longer write
         self._pending_step: int | None = None
+        self.failed_save = False  # a background save of this service failed (its tmp directory may remain)
         self._data_iterator = data_iterator  # saved in every step as one state per process (input_state.py)
         policies = [checkpoint_managers.LatestN(config.max_to_keep), orbax_hooks.ProtectedSteps(protected_steps)]
         if config.keep_every_steps:
@@ -80,6 +83,8 @@ class CheckpointService:
         )
         if local:
             manager_options.update(local_tier.manager_options(self.directory, read_only))
+        elif not read_only and jax.process_index() == 0:
+            durable.make_dirs(workdir_lib.checkpoints_dir(self.directory))  # Orbax creates it, not durably
         self._manager = orbax_hooks.Manager(
             workdir_lib.checkpoints_dir(self.directory), options=ocp.CheckpointManagerOptions(**manager_options),
             item_names=(workdir_lib.STATE_ITEM, workdir_lib.MANIFEST_ITEM) + (
@@ -187,6 +192,7 @@ class CheckpointService:
     def _raise_failed(self, cause, step=None) -> None:
         step = self._pending_step if step is None else step
         self._pending_step = None  # reported once, here
+        self.failed_save = True
         self._manager.reported(cause)
         latest = self.latest_committed_step()
         if cause is None:
@@ -224,19 +230,10 @@ class CheckpointService:
         """
         steps = sorted(steps)
         if steps and (jax.process_index() == 0 or self.tier == manifest_lib.LOCAL):  # local: each its own
-            superseded = workdir_lib.superseded_dir(self.directory)
-            superseded.mkdir(parents=True, exist_ok=True)
-            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-            for step in steps:
-                if self.tier == manifest_lib.LOCAL and not workdir_lib.step_dir(self.directory, step).exists():
-                    continue  # `steps` are every process's (local_tier.any_local_steps): move only our own
-                workdir_lib.step_dir(self.directory, step).rename(superseded / f"{step}-{stamp}")
-                verdict = workdir_lib.verdict_file(self.directory, step)
-                if verdict.exists():
-                    verdict.rename(superseded / f"{step}-{stamp}.verdict.json")
+            # `steps` are every process's on the local tier (local_tier.any_local_steps): move only our own
+            workdir_lib.move_aside(self.directory, steps, only_present=self.tier == manifest_lib.LOCAL)
         if steps:
             collective.barrier("checkpoint_service_set_aside")
-        if steps:
             self._manager.reload()
 
     # --- restoring -----------------------------------------------------------------------------
@@ -278,13 +275,11 @@ class CheckpointService:
     def _read_arrays(self, step: int, abstract_state):
         local = self.tier == manifest_lib.LOCAL
         state_args = local_tier.restore_args(abstract_state) if local else ocp.args.StandardRestore(abstract_state)
-        try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**{workdir_lib.STATE_ITEM: state_args}))
-        except Exception as err:
-            # TensorStore's message carries a 60-line spec: the line names the cause, the chain keeps the rest.
-            raise CorruptCheckpointError(
-                f"step {step}: reading its arrays from {workdir_lib.step_dir(self.directory, step)} failed: "
-                f"{one_line_cause(err)}") from err
+        # A damaged file is the step's fault (CorruptCheckpointError); any other read error is retried, then
+        # the storage's (reads.py). TensorStore's 60-line spec stays in the chain, out of the line.
+        restored = reads.read_retrying(
+            lambda: self._manager.restore(step, args=ocp.args.Composite(**{workdir_lib.STATE_ITEM: state_args})),
+            f"step {step}: reading its arrays from {workdir_lib.step_dir(self.directory, step)}")
         return restored[workdir_lib.STATE_ITEM]
 
     def check_compatible(self, step: int, manifest: dict, abstract_state) -> None:

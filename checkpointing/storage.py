@@ -13,6 +13,7 @@ import threading
 
 from absl import flags
 
+from checkpointing.config import resolve_path
 from checkpointing.errors import StorageUnavailableError, one_line_cause
 from checkpointing.workdir import fresh_path
 
@@ -29,9 +30,12 @@ def gcs_endpoint() -> str:
     return "https://storage.googleapis.com"
 
 
-def check_workdir(workdir: str, *, must_exist: bool, timeout_secs: float | None = None) -> None:
-    """Raises ValueError if a reader's local workdir is missing or not a directory (bad input), and
-    StorageUnavailableError if the storage does not answer within `timeout_secs` (default: the flag)."""
+def check_workdir(workdir: str, *, must_exist: bool, timeout_secs: float | None = None,
+                  flag: str = "--workdir") -> str:
+    """The workdir resolved (config.resolve_path: absolute, or refused naming a character Orbax cannot
+    round-trip). Raises ValueError if a reader's local workdir is missing or not a directory (bad input),
+    and StorageUnavailableError if the storage does not answer within `timeout_secs` (default: the flag)."""
+    workdir = resolve_path(workdir, flag)
     timeout_secs = STORAGE_TIMEOUT_SECS.value if timeout_secs is None else timeout_secs
     where = f"endpoint {gcs_endpoint()}" if workdir.startswith("gs://") else "its file system"
     answer: dict = {}
@@ -47,12 +51,13 @@ def check_workdir(workdir: str, *, must_exist: bool, timeout_secs: float | None 
     thread.start()
     thread.join(timeout_secs)
     if thread.is_alive():  # left behind, a daemon: the caller exits
-        raise StorageUnavailableError(f"--workdir={workdir}: {where} unreachable (no answer within {timeout_secs:g}s)")
+        raise StorageUnavailableError(f"{flag}={workdir}: {where} unreachable (no answer within {timeout_secs:g}s)")
     if "error" in answer:
-        raise StorageUnavailableError(f"--workdir={workdir}: {one_line_cause(answer['error'])}") from answer["error"]
+        raise StorageUnavailableError(f"{flag}={workdir}: {one_line_cause(answer['error'])}") from answer["error"]
     if workdir.startswith("gs://"):
-        return  # objects, not directories: an empty prefix is a workdir with nothing in it yet
+        return workdir  # objects, not directories: an empty prefix is a workdir with nothing in it yet
     if answer["exists"] and not answer["is_dir"]:
-        raise ValueError(f"--workdir={workdir} exists and is not a directory")
+        raise ValueError(f"{flag}={workdir} exists and is not a directory")
     if must_exist and not answer["exists"]:
-        raise ValueError(f"--workdir={workdir} does not exist")
+        raise ValueError(f"{flag}={workdir} does not exist")
+    return workdir

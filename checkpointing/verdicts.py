@@ -90,7 +90,7 @@ def write(workdir: str, verdict: dict) -> None:
     path = workdir_lib.verdict_file(workdir, verdict["step"])
     text = json.dumps(verdict, indent=1, sort_keys=True)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        durable.make_dirs(path.parent)
         if durable.is_local(path):
             durable.write_text(path, text)  # a full disk removes its tmp file
         else:

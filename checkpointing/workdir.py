@@ -18,11 +18,15 @@ Orbax owns checkpoints/ alone: on gs:// it treats every directory without a comm
 root as a killed save and deletes it, which would take verdicts or the lease with it.
 """
 
+import os
 import re
+import shutil
+import time
 
 from etils import epath
 
 from checkpointing.config import ConfigError
+from checkpointing import durable, reads
 from checkpointing.errors import CorruptCheckpointError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -152,6 +156,49 @@ def _step_named(name: str) -> bool:
     return name.isdigit() or name.split("_")[-1].isdigit()  # as orbax.checkpoint's _is_legacy_step_checkpoint
 
 
+def linked_steps(directory: str) -> dict[str, str]:
+    """{path: target} of the entries of a local `directory`'s checkpoints/ that are symbolic links."""
+    path = checkpoints_dir(directory)
+    if str(directory).startswith("gs://") or not path.is_dir():
+        return {}
+    return {str(entry): os.readlink(entry) for entry in path.iterdir() if os.path.islink(entry)}
+
+
+def move_aside(directory: str, steps: list[int], *, only_present: bool = False) -> None:
+    """Moves each step and its verdict to <directory>/superseded/<step>-<time>[.verdict.json], durably (the
+    run will save new steps under those numbers). `only_present`: skip a step this directory lacks."""
+    superseded = superseded_dir(directory)
+    durable.make_dirs(superseded)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    for step in steps:
+        if only_present and not step_dir(directory, step).exists():
+            continue
+        step_dir(directory, step).rename(superseded / f"{step}-{stamp}")
+        verdict = verdict_file(directory, step)
+        if verdict.exists():
+            verdict.rename(superseded / f"{step}-{stamp}.verdict.json")
+    if durable.is_local(superseded):
+        for moved_from_and_to in (checkpoints_dir(directory), verdicts_dir(directory), superseded):
+            if moved_from_and_to.exists():
+                durable.sync_dir(moved_from_and_to)
+
+
+def remove_killed_saves(directory: str) -> list[str]:
+    """Removes the temporary step directories of saves that never committed (killed, or failed on a full disk)
+    from a local `directory`; returns their names. Only a writer about to hold the workdir calls it: Orbax does
+    the same once a writer opens it, but a disk those saves filled would refuse the lease first. On gs:// there
+    is no directory to fill, and Orbax alone judges what is uncommitted there."""
+    path = checkpoints_dir(directory)
+    if str(directory).startswith("gs://") or not path.is_dir():
+        return []
+    from orbax.checkpoint._src.path import atomicity  # imports JAX, as above
+
+    removed = [entry for entry in path.iterdir() if atomicity.TMP_DIR_SUFFIX in entry.name]
+    for entry in removed:
+        shutil.rmtree(entry)
+    return [entry.name for entry in removed]
+
+
 def is_committed(directory: str, step: int) -> bool:
     """Whether `step` is finalized in `directory`: committed_steps' answer for one step, without listing
     (Orbax's listing starts a thread pool each time: about 4 ms; this is a stat on a local disk)."""
@@ -164,9 +211,9 @@ def read_manifest(directory: str, step: int) -> dict:
     """The schema-checked manifest of `step` (the caller knows the step is committed)."""
     path = manifest_file(directory, step)
     try:
-        text = path.read_text()
-    except (OSError, FileNotFoundError) as err:
-        raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err})") from None
+        text = reads.read_retrying(path.read_text, f"step {step}: reading its manifest {path}")
+    except CorruptCheckpointError as err:  # missing: a killed save's directory renamed by hand, a lost file
+        raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err.__cause__})") from None
     from checkpointing import manifest as manifest_lib  # imports JAX, as above
 
     return manifest_lib.parse(text, f"step {step} manifest")

@@ -34,7 +34,7 @@ from checkpointing import manifest as manifest_lib
 from checkpointing import plot
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
-from checkpointing.config import format_mesh
+from checkpointing.config import format_mesh, resolve_path
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps, read_manifest
 from runtime import entry, exit_codes
@@ -182,9 +182,10 @@ def main(argv: list[str]) -> int:
     models.resolve(MODEL.value)  # a bad --model is one line and exit 2, before anything is written
     if not WORKDIR.value:
         raise ValueError("--workdir is required")
-    if os.path.exists(WORKDIR.value) and os.listdir(WORKDIR.value):
-        raise ValueError(f"--workdir={WORKDIR.value} is not empty; the demo needs a fresh one")
-    ok = run_demo(WORKDIR.value, STEPS.value, SAVE_EVERY_STEPS.value, MODEL.value)
+    workdir = resolve_path(WORKDIR.value, "--workdir")  # the pods' processes share it whatever their directory
+    if os.path.exists(workdir) and os.listdir(workdir):
+        raise ValueError(f"--workdir={workdir} is not empty; the demo needs a fresh one")
+    ok = run_demo(workdir, STEPS.value, SAVE_EVERY_STEPS.value, MODEL.value)
     return exit_codes.OK if ok else exit_codes.FAILURE
 
 

@@ -4,8 +4,10 @@
 # Extra arguments go to launch.demo, e.g. `bash launch/demo.sh --model=transformer`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# A relative DEMO_WORKDIR names a directory under the caller's, not the repository's.
+workdir="${DEMO_WORKDIR:-$root/runs/demo-$(date +%Y%m%d-%H%M%S)}"
+case "$workdir" in /* | *://*) ;; *) workdir="$PWD/$workdir" ;; esac
 bash "$root/launch/setup.sh"
 cd "$root"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
-workdir="${DEMO_WORKDIR:-$root/runs/demo-$(date +%Y%m%d-%H%M%S)}"
 exec .venv/bin/python -m launch.demo --workdir="$workdir" "$@"

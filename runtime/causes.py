@@ -18,8 +18,12 @@ _CAUSES = (
     ("file missing", ("not_found", "no such file or directory")),
     ("read-only file system", ("read-only file system", "os_error_code='30'", "erofs")),
     ("permission denied", ("permission denied", "permission_denied")),
+    ("input/output error", ("input/output error", "os_error_code='5'")),
 )
-_ERRNOS = {"no space left on device": errno.ENOSPC, "read-only file system": errno.EROFS}
+# Causes that are the data itself, not the medium that failed to deliver it: a read cannot cure them.
+_DAMAGE = ("file truncated", "file missing")
+_ERRNOS = {"no space left on device": errno.ENOSPC, "read-only file system": errno.EROFS,
+           "input/output error": errno.EIO}
 
 
 def _chain(error: BaseException) -> list[BaseException]:
@@ -61,7 +65,7 @@ def one_line_cause(error: BaseException) -> str:
             continue
         if cause == "unreachable":
             return f"endpoint {_endpoint(str(chain[hits[-1]]))} unreachable"
-        if cause in ("file missing", "file truncated"):
+        if cause in ("file missing", "file truncated", "input/output error"):
             text = str(chain[hits[-1]])
             path, leaf = _quoted_path(text), re.search(r'Error (?:reading|writing) "([^"/]+)/', text)
             return (f"{cause}: {path}" if path else cause) + (f" (leaf {leaf.group(1)})" if leaf else "")
@@ -70,6 +74,12 @@ def one_line_cause(error: BaseException) -> str:
     text = str(root).split(" [tensorstore_spec=")[0].strip().splitlines()
     line = text[0] if text else type(root).__name__
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+def names_damage(error: BaseException) -> bool:
+    """Whether `error`'s root cause is the data itself (a file truncated or missing): evidence against what
+    was read. An error of the disk or the network (EIO, unreachable, a timeout, anything unknown) is not."""
+    return one_line_cause(error).startswith(_DAMAGE)
 
 
 def _quoted_path(text: str) -> str:

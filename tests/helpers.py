@@ -4,6 +4,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,6 +173,18 @@ def fault_line(result, code: int) -> str:
     assert result.returncode == code, f"exit {result.returncode}, expected {code}:\n{result.stderr[-3000:]}"
     assert lines and "Traceback" not in result.stderr, result.stderr[-3000:]
     return lines[-1]
+
+
+def strace() -> str:
+    """strace's path (a Debian package .ci/run installs): under CI a missing one fails, elsewhere it skips."""
+    import pytest
+
+    found = shutil.which("strace")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("strace is not installed; .ci/run must install it (apt-get install strace)")
+        pytest.skip("strace is not installed (apt-get install strace); CI installs it and runs these tests")
+    return found
 
 
 def gs_workdir(name: str) -> str:

@@ -223,7 +223,8 @@ def test_resume_from_none_refuses_a_workdir_with_checkpoints_and_deletes_nothing
                                 "--batch_size=32", "--resume_from=none", "--steps=30")
     assert helpers.assert_refused(result, before) == (
         f"error: --resume_from=none but {workdir} already has committed steps [10, 20]; "
-        "use a new --workdir or --resume_from=latest")
+        "use a new --workdir, --resume_from=latest, or add --rollback to start over from step 0 (they move to "
+        "superseded/ with their verdicts)")
 
 
 @pytest.mark.parametrize("flag, message", [

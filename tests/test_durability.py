@@ -9,7 +9,6 @@ strace is a Debian package that .ci/run installs; outside CI a machine without i
 import inspect
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,28 +20,20 @@ from checkpointing import orbax_hooks
 from checkpointing import workdir as workdir_lib
 from tests import helpers
 
-TRACED = "openat,write,fsync,fdatasync,rename,renameat,renameat2,link,linkat"
+TRACED = "openat,write,fsync,fdatasync,rename,renameat,renameat2,link,linkat,mkdir,mkdirat"
 _CALL = re.compile(r"^(\d+)\s+(\w+)\((.*)")
 _RESUMED = re.compile(r"^(\d+)\s+<\.\.\. (\w+) resumed>(.*)")
 _FD_PATH = re.compile(r"^\d+<(.*?)>")
 _STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
-def _strace() -> str:
-    found = shutil.which("strace")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("strace is not installed; .ci/run must install it (apt-get install strace)")
-        pytest.skip("strace is not installed (apt-get install strace); CI installs it and runs these tests")
-    return found
-
-
 def traced(tmp_path, *command: str, env: dict) -> tuple[subprocess.CompletedProcess, list[tuple]]:
     """Runs `command` under strace -f; returns its result and its syscalls in completion order:
     ("fsync", path), ("rename", src, dst), ("link", src, dst) or ("write", path, text)."""
     trace = tmp_path / "strace.out"
-    result = subprocess.run([_strace(), "-f", "-qq", "-y", "-s", "300", "-o", str(trace), "-e", f"trace={TRACED}",
-                             *command], env=env, cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([helpers.strace(), "-f", "-qq", "-y", "-s", "300", "-o", str(trace), "-e",
+                             f"trace={TRACED}", *command], env=env, cwd=helpers.REPO_ROOT, capture_output=True,
+                            text=True, timeout=300)
     return result, _events(trace.read_text().splitlines())
 
 
@@ -68,6 +59,8 @@ def _events(lines: list[str]) -> list[tuple]:
         elif name in ("rename", "renameat", "renameat2", "link", "linkat"):
             paths = _STRING.findall(args)
             events.append(("link" if name.startswith("link") else "rename", paths[0], paths[1]))
+        elif name in ("mkdir", "mkdirat"):
+            events.append(("mkdir", _STRING.findall(args)[0]))
         elif name == "write" and (path := _FD_PATH.match(args)):
             text = _STRING.search(args)
             events.append(("write", path.group(1), text.group(1) if text else ""))
@@ -79,6 +72,11 @@ def index_of(events: list[tuple], event: tuple, after: int = -1) -> int:
         if events[i] == event:
             return i
     raise AssertionError(f"{event} not traced after event {after}")
+
+
+def assert_durable_mkdir(events: list[tuple], path: str) -> None:
+    """`path` was created, then its parent fsynced (else a crash can lose the directory and all it holds)."""
+    index_of(events, ("fsync", os.path.dirname(path)), after=index_of(events, ("mkdir", path)))
 
 
 def assert_durable_rename(events: list[tuple], kind: str, src: str, dst: str) -> int:
@@ -114,8 +112,10 @@ def test_a_real_save_fsyncs_every_file_then_renames_then_fsyncs_checkpoints_befo
     reported = [i for i, event in enumerate(events) if event[0] == "write" and "done: steps 0..10" in event[2]]
     assert len(reported) == 1 and reported[0] > parent_synced, "reported done before checkpoints/ was fsynced"
 
+    for created in (workdir, lease := workdir_lib.lease_dir(workdir), checkpoints):
+        assert_durable_mkdir(events, created)
+
     # The lease: created by a link, released by a rename, each fsynced through the lease directory.
-    lease = workdir_lib.lease_dir(workdir)
     moves = [event for event in events if event[0] in ("link", "rename") and event[2].startswith(lease + os.sep)]
     assert [kind for kind, *_ in moves] == ["link", "rename"], moves
     for kind, src, dst in moves:
@@ -141,6 +141,8 @@ def test_a_verdict_write_fsyncs_the_file_renames_it_then_fsyncs_the_verdicts_dir
         assert os.path.dirname(src) == os.path.dirname(dst)
         assert_durable_rename(events, "rename", src, dst)
     assert os.listdir(os.path.dirname(path)) == ["10.json"], "a tmp file was left behind"
+    for created in (workdir, os.path.dirname(path)):
+        assert_durable_mkdir(events, created)
 
 
 def test_the_durable_commit_is_orbax_finalize_with_the_fsyncs_added():

@@ -38,7 +38,7 @@ def test_bad_input_is_exit_2_and_one_line(error, line):
     (AsyncSaveError("background save of step 10 failed"), "error: background save of step 10 failed"),
     (OSError(errno.ENOSPC, "No space left on device", "/runs/a/metrics.jsonl"),
      "error: /runs/a/metrics.jsonl: no space left on device"),
-    (OSError(errno.EIO, "Input/output error"), "error: storage: [Errno 5] Input/output error"),
+    (OSError(errno.EIO, "Input/output error"), "error: storage: input/output error"),
 ])
 def test_faults_are_exit_1_and_one_line_last_on_stderr(error, line):
     result = helpers.run_in_process(raising(error))

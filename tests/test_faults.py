@@ -97,6 +97,39 @@ def test_disk_full_fails_the_save_in_one_line_naming_the_step_and_a_resume_works
     helpers.assert_committed_intact(before, workdir)
 
 
+def _killed_saves(workdir: str) -> list[str]:
+    return [name for name in os.listdir(workdir_lib.checkpoints_dir(workdir)) if ".orbax-checkpoint-tmp" in name]
+
+
+def test_a_full_disk_never_blocks_the_relaunch_that_would_free_it(small_disk, trained_copy):
+    """The failed save's temporary directory is removed by the failing writer, and a killed writer's by the
+    next one before it takes the lease: the lease's own write would otherwise meet the full disk, every time."""
+    workdir = os.path.join(small_disk, "run")
+    before = trained(trained_copy, workdir)
+    filler = fill(small_disk, leave_bytes=512 * 1024)  # a checkpoint is about 260 KiB
+    command = ["trainer.train", f"--workdir={workdir}", "--steps=40", *SMALL]
+    with open(os.path.join(small_disk, "ballast"), "wb") as f:
+        f.write(b"\0" * 400 * 1024)  # the save of step 30 starts, and fills the disk
+    result = helpers.run_module(*command)
+    line = helpers.fault_line(result, exit_codes.FAILURE)
+    assert line.startswith("error: background save of step 30 failed: no space left on device"), line
+    assert "removed the temporary directory of the failed save: ['30.orbax-checkpoint-tmp" in result.stderr
+    assert _killed_saves(workdir) == []
+    os.remove(os.path.join(small_disk, "ballast"))
+
+    # A writer killed mid-save (nothing of it could clean up) left a temporary directory that fills the disk.
+    leftover = os.path.join(str(workdir_lib.checkpoints_dir(workdir)), "30.orbax-checkpoint-tmp")
+    os.makedirs(leftover)
+    fill(leftover)
+    result = helpers.run_module(*command)
+    assert result.returncode == exit_codes.OK, result.stderr[-3000:]
+    assert "removed the temporary directories of saves that never committed: ['30.orbax-checkpoint-tmp']" \
+        in result.stderr
+    assert "resumed from step 20" in result.stderr and committed_steps(workdir)[-1] == 40
+    helpers.assert_committed_intact(before, workdir)
+    os.remove(filler)
+
+
 def test_disk_full_verdict_write_is_one_line_and_leaves_no_tmp_file(small_disk, trained_copy):
     workdir = os.path.join(small_disk, "run")
     before = trained(trained_copy, workdir, steps=10)

@@ -192,10 +192,13 @@ def test_a_stopped_peer_during_a_save_becomes_a_failure_exit_within_the_watchdog
 
 
 def test_the_demo_resumes_from_the_local_tier_then_on_another_layout_and_proves_it(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "launch.demo", f"--workdir={tmp_path / 'demo'}", "--steps=100",
-                             "--save_every_steps=10"], env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT,
-                            capture_output=True, text=True, timeout=600)
+    """The README's main command, as a user runs it from a directory of their own with a relative
+    DEMO_WORKDIR (shortened to 100 steps)."""
+    result = subprocess.run(["bash", os.path.join(helpers.REPO_ROOT, "launch", "demo.sh"), "--steps=100",
+                             "--save_every_steps=10"], env=helpers.subprocess_env(DEMO_WORKDIR="my demo"),
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert os.listdir(tmp_path) == ["my demo"]
     lines = result.stdout.strip().splitlines()
     assert lines[0].split() == ["step", "committed", "resumed_from", "verdict"]
     assert any("preemption, 2 processes" in line for line in lines)

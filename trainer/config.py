@@ -14,7 +14,8 @@ import json
 import os
 import tempfile
 
-from checkpointing import CheckpointConfig, ConfigError, check_fields, expand_local_dir, format_mesh, option
+from checkpointing import (CheckpointConfig, ConfigError, check_fields, expand_local_dir, format_mesh, option,
+                           resolve_path)
 
 MESH_AXES = ("data", "model")
 
@@ -180,6 +181,7 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
             f"--batch_size={config.batch_size} is not divisible by the data axis ({sizes['data']})"
         )
     if check_workdir:
+        config = dataclasses.replace(config, workdir=resolve_path(config.workdir, "--workdir"))
         validate_workdir(config.workdir)
     expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
     from trainer import program  # builds on this module

@@ -20,7 +20,7 @@ import sys
 from absl import flags
 
 from checkpointing import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table, plot_series,
-                           proof_series, read_history, read_manifest, reference_loss, table_rows)
+                           proof_series, read_history, read_manifest, reference_loss, resolve_path, table_rows)
 from runtime import entry
 from trainer import models
 
@@ -50,7 +50,7 @@ def _check_plot_flags() -> None:
         if os.path.isdir(PLOT.value):
             raise ValueError(f"--plot={PLOT.value} is a directory")
     if REFERENCE.value:
-        check_workdir(REFERENCE.value, must_exist=True)
+        check_workdir(REFERENCE.value, must_exist=True, flag="--reference")
 
 
 def run_name(workdir: str) -> str:
@@ -70,26 +70,26 @@ def loss_tolerance(workdir: str) -> float:
         return 0.0
 
 
-def _plot() -> str:
-    run = plot_series(WORKDIR.value)
-    reference = reference_loss(REFERENCE.value) if REFERENCE.value else None
-    proof = proof_series(run, reference, loss_tolerance(WORKDIR.value)) if reference else None
-    draw_plot(run, PLOT.value, title=run_name(WORKDIR.value), reference=reference, proof=proof)
+def _plot(workdir: str) -> str:
+    run = plot_series(workdir)
+    reference = reference_loss(resolve_path(REFERENCE.value, "--reference")) if REFERENCE.value else None
+    proof = proof_series(run, reference, loss_tolerance(workdir)) if reference else None
+    draw_plot(run, PLOT.value, title=run_name(workdir), reference=reference, proof=proof)
     return PLOT.value
 
 
 def main(argv: list[str]) -> None:
     if not WORKDIR.value:
         raise ValueError("--workdir is required")
-    check_workdir(WORKDIR.value, must_exist=True)
+    workdir = check_workdir(WORKDIR.value, must_exist=True)  # absolute from here on
     _check_plot_flags()
     if PLOT.value:
-        output = _plot()
+        output = _plot(workdir)
     elif LOSSES.value or EVALS.value:
-        history = read_history(WORKDIR.value)
+        history = read_history(workdir)
         output = json.dumps({str(s): v for s, v in (history.losses if LOSSES.value else history.evals).items()})
     else:
-        output = format_table(table_rows(WORKDIR.value))
+        output = format_table(table_rows(workdir))
     sys.stdout.write(output + "\n")
 
 

@@ -77,12 +77,12 @@ def main(argv: list[str]) -> int:
     if not WORKDIR.value:
         raise ConfigError("--workdir is required")
     # --once needs the workdir now; --follow may start before the trainer creates it.
-    check_workdir(WORKDIR.value, must_exist=ONCE.value)
+    workdir = check_workdir(WORKDIR.value, must_exist=ONCE.value)  # absolute from here on
     mesh = parse_mesh(MESH.value)
     check_mesh(mesh, jax.device_count())
     cache_dir = COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
-    options = VerifierOptions(workdir=WORKDIR.value, mesh=mesh, replay_steps=REPLAY_STEPS.value,
+    options = VerifierOptions(workdir=workdir, mesh=mesh, replay_steps=REPLAY_STEPS.value,
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured)
     # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
         verifier.verify_pending()
     else:
         verifier.follow(stop, until_step=UNTIL_STEP.value)
-    failing = failing_steps(WORKDIR.value)
+    failing = failing_steps(workdir)
     if failing:
         raise VerificationFailedError(f"failing verdicts for steps {failing}")
     return exit_codes.OK
