@@ -23,7 +23,11 @@ Levels, weakest first (each includes the ones before it):
   and retention's protection: both show that the checkpoint resumes the run.
 
 Fields:
-  step, level, status ("pass", "fail" or "gone": deleted while being verified)
+  step, level, status     "pass"; "fail" (evidence beyond the noise measured for the run: the step is wrong);
+                          "inconclusive" (the proof could not decide, its reason in detail: never proved);
+                          "error" (a fault of the verifier's own: its program, memory, devices, storage;
+                          never the checkpoint's, retried by the next verifier run); "gone" (deleted while
+                          being verified)
   complete                 false while a replay is still to come (the intact part is written first)
   detail                   one line: what was proved, or the first mismatch with both values
   mismatch                 null, or {"kind", "where", "expected", "actual"} of the first mismatch
@@ -49,7 +53,7 @@ from checkpointing.workdir import fresh_path
 _WARNED: set[str] = set()  # the damaged verdict files this process has warned about
 
 LEVELS = ("intact", "replayed", "resumes", "reproduced")
-STATUSES = ("pass", "fail", "gone")
+STATUSES = ("pass", "fail", "inconclusive", "error", "gone")
 
 _REQUIRED = {
     "step": int, "level": str, "status": str, "complete": bool, "detail": str, "replayed_steps": int,
