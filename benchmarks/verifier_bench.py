@@ -53,7 +53,10 @@ from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout
 _STEPS = flags.DEFINE_integer("steps", 80, "Training steps per run (80: ten commits, most of them after the "
                               "verifier's memory stopped growing).")
 _SAVE_EVERY = flags.DEFINE_integer("save_every_steps", 8, "Checkpoint interval (steps).")
-_HIDDEN = flags.DEFINE_integer("hidden_dim", 2752, "mlp hidden width (the state must be >= 256 MiB).")
+_HIDDEN = flags.DEFINE_integer("hidden_dim", 2752, "mlp hidden width (the state must be >= --min_state_mib).")
+_MIN_STATE = flags.DEFINE_float("min_state_mib", 256, "Refuse a smaller state: below it a restore measures start-up "
+                                "more than reading (0: a smoke run of every code path, tests/test_benchmarks.py).",
+                                lower_bound=0)
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "mlp hidden layers.")
 # The mlp's default 16 features: its cross-layout tolerance was measured there. With 1024 (targets
 # sums of 1024 features, first losses near 8e6) the run diverges across layouts beyond it.
@@ -256,8 +259,9 @@ def main(argv):
     del argv
     if _RESTORE_CHILD.value:
         return restore_child(_RESTORE_CHILD.value)
-    if state_mib(_HIDDEN.value) < 256:
-        raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below 256 MiB: raise --hidden_dim")
+    if state_mib(_HIDDEN.value) < _MIN_STATE.value:
+        raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below --min_state_mib="
+                             f"{_MIN_STATE.value:g}: raise --hidden_dim")
     root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or "/tmp")
     variants = [None] + _BUDGETS.value
     results, keep, other, started = {variant: [] for variant in variants}, None, other_cpu_secs(), time.time()
