@@ -59,7 +59,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of processes (each runs ev
                                 lower_bound=1)
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of each variant's cases per process.", lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A fresh temporary directory is made under this "
-                               "(default /tmp) and deleted at the end.")
+                               "(default: $TMPDIR, else /tmp) and deleted at the end.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results to this file as JSON.")
 _VARIANTS = flags.DEFINE_list("variants", list(TIMED_VARIANTS), "Timed variants to run (the RSS ones run only "
                               "with all three); the ratios of the others' cases are left out.")
@@ -196,7 +196,7 @@ def main(argv):
         raise ValueError(f"--workdir={_WORKDIR.value}: not a directory")
     if _JSON_OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON_OUT.value))):
         raise ValueError(f"--json_out={_JSON_OUT.value}: its directory does not exist")
-    root = tempfile.mkdtemp(prefix="checkpoint_bench_", dir=_WORKDIR.value or "/tmp")
+    root = tempfile.mkdtemp(prefix="checkpoint_bench_", dir=_WORKDIR.value or tempfile.gettempdir())
     meter = common.LoadMeter()
     try:
         logging.info("state: %g GiB float32 + step; workdir %s", _STATE_GIB.value, root)

@@ -79,7 +79,8 @@ _VERIFIER_V = flags.DEFINE_integer("verifier_v", 0, "The verifier's absl --v: 1 
                                    "wait and verdict written, with its time, to its log (kept when a run fails).")
 _RESTORE_REPEATS = flags.DEFINE_integer("restore_repeats", 3, "Plain restores of each measured step.")
 _RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 600, "Kill a run's processes after this long.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default /tmp), deleted at the end.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default: $TMPDIR, else /tmp), "
+                               "deleted at the end.")
 _RESTORE_CHILD = flags.DEFINE_string("restore_child", None, "Internal: time plain restores of this workdir.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the ratios as a JSON object to this file.")
 
@@ -160,7 +161,7 @@ def run_once(run_dir: str, budget: str | None) -> dict:
     steps_per_sec = float(DONE.findall(logs["train"])[-1])
     problems = unproved(commits, verdicts, complete) if budget is not None else []
     if len(commits) < 2 or problems:
-        kept = keep_for_diagnosis(run_dir, ckpt, _WORKDIR.value or "/tmp")
+        kept = keep_for_diagnosis(run_dir, ckpt, _WORKDIR.value or tempfile.gettempdir())
         raise RuntimeError(f"run {run_dir}: {len(commits)} commits; {'; '.join(problems) or 'too few commits'} "
                            f"(its logs, verdicts and probes are kept in {kept})")
     logging.info("run %s: %.3f steps/s, commit->verdict %s", run_dir, steps_per_sec,
@@ -262,7 +263,7 @@ def main(argv):
     if state_mib(_HIDDEN.value) < _MIN_STATE.value:
         raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below --min_state_mib="
                              f"{_MIN_STATE.value:g}: raise --hidden_dim")
-    root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or "/tmp")
+    root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or tempfile.gettempdir())
     variants = [None] + _BUDGETS.value
     results, keep, other, started = {variant: [] for variant in variants}, None, other_cpu_secs(), time.time()
     try:
