@@ -228,6 +228,32 @@ def test_without_metrics_the_kill_is_drawn_where_the_carried_losses_of_the_kille
     assert run.loss_steps == list(range(50))
 
 
+def _title_inside(picture) -> tuple:
+    """(the title's box, the figure's box, the box of everything drawn), in display units, after a draw."""
+    picture.canvas.draw()
+    (title,) = [t for t in picture.texts if t.get_text()]
+    renderer = picture.canvas.get_renderer()
+    return title.get_window_extent(renderer), picture.bbox, picture.get_tightbbox(renderer)
+
+
+@pytest.mark.parametrize("title", [
+    "demo-20250101-120000: the job crashed, resumed from its local tier, was preempted, resumed on another layout",
+    "/mnt/checkpoints/" + "a-very-long-workdir-name_" * 12 + ": the job crashed, resumed from its local tier",
+])
+def test_the_title_fits_inside_the_picture(killed_then_preempted, title):
+    from checkpointing import plot_draw
+
+    run = plot.series(killed_then_preempted)
+    proof = plot.proof_series(run, (run.loss_steps, run.loss_values), tolerance=1e-5)
+    picture = plot_draw.figure(run, title=title, reference=(run.loss_steps, run.loss_values), proof=proof)
+    title_box, figure_box, drawn = _title_inside(picture)
+    for box in (title_box, drawn):
+        assert (figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1 and figure_box.y0 <= box.y0
+                and box.y1 <= figure_box.y1), f"{box} is not inside the figure {figure_box}"
+    axes_top = max(axes.get_window_extent().y1 for axes in picture.axes)
+    assert title_box.y0 >= axes_top, "the title sits above the panels, not over them"
+
+
 # --- the picture's proof panel ---------------------------------------------------------------------
 
 def test_the_proof_panel_puts_exact_zeros_on_the_floor_and_names_the_tolerance():
