@@ -1,6 +1,6 @@
 """Checkpoint benchmark: the service's costs as ratios against plain Orbax, measured in one run.
 
-A random float32 state (128 MiB arrays plus an int32 scalar 'step', `--state_gib` in all), fully
+A random float32 state (--array_mib arrays, 128 MiB, plus an int32 scalar 'step', `--state_gib` in all), fully
 sharded over a data=4,model=2 mesh of 8 fake CPU devices (no replicas, so every variant moves
 exactly the state's bytes). Each variant runs in a fresh process of its own
 (benchmarks/checkpoint_child.py), so none sees another's memory; inside it, its cases run in
@@ -24,7 +24,8 @@ sides of a ratio are measured seconds apart; the variants run in an order rotate
             (fingerprints) as the trainer's loop dispatches them, and the step alone: what the
             marks add to the trainer's loop at a save step
   restores  service.restore onto the saved layout, data=8 and model=8, and the time its
-            fingerprint check took
+            fingerprint check took (checks.check_fingerprints, as the service calls it); each
+            layout's save marks compiled first, untimed, as the trainer does before its restore
   rss_*     peak host RSS above the live state (VmHWM, reset through /proc/self/clear_refs)
             during a service save, a plain Orbax save and a restore, once each, unwarmed
 
@@ -33,7 +34,7 @@ how busy the rest of the machine was. Nothing is a test threshold: this prints w
 and --json_out writes the same numbers as data.
 
   PYTHONPATH=. .venv/bin/python -m benchmarks.checkpoint_bench [--state_gib=1] [--repeats=2] [--samples=3] \
-      [--json_out=FILE] [--workdir=/tmp]
+      [--array_mib=128] [--json_out=FILE] [--workdir=/tmp]
 """
 
 import collections
@@ -50,13 +51,15 @@ from benchmarks import common
 from runtime import entry
 
 TIMED_VARIANTS = ("saves", "passes", "restores")
-_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
-                                lower_bound=0.125)
+_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (--array_mib arrays).",
+                                lower_bound=1 / 1024)
+_ARRAY_MIB = flags.DEFINE_integer("array_mib", 128, "Size of each array, MiB (1 with a tiny --state_gib: a smoke "
+                                  "run of every code path, tests/test_benchmarks.py).", lower_bound=1)
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Rounds of processes (each runs every timed variant once).",
                                 lower_bound=1)
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of each variant's cases per process.", lower_bound=1)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A fresh temporary directory is made under this "
-                               "(default /tmp) and deleted at the end.")
+                               "(default: $TMPDIR, else /tmp) and deleted at the end.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results to this file as JSON.")
 _VARIANTS = flags.DEFINE_list("variants", list(TIMED_VARIANTS), "Timed variants to run (the RSS ones run only "
                               "with all three); the ratios of the others' cases are left out.")
@@ -106,7 +109,8 @@ RSS_KEYS = {"peak_rss_save_over_state": ("service async save + wait", "rss_servi
 
 def run_variant(name: str, root: str, samples: dict[str, list]) -> None:
     """Runs one variant's process and adds its samples ({"<case>.<value>": [...]}) to `samples`."""
-    result = common.run_child(CHILD, [f"--variant={name}", f"--state_gib={_STATE_GIB.value}", f"--root={root}",
+    result = common.run_child(CHILD, [f"--variant={name}", f"--state_gib={_STATE_GIB.value}",
+                                      f"--array_mib={_ARRAY_MIB.value}", f"--root={root}",
                                       f"--samples={_SAMPLES.value}", f"--pin_caller={_PIN_CALLER.value}"],
                               timeout_secs=_CHILD_TIMEOUT.value)
     for key, values in result.items():
@@ -192,7 +196,7 @@ def main(argv):
         raise ValueError(f"--workdir={_WORKDIR.value}: not a directory")
     if _JSON_OUT.value and not os.path.isdir(os.path.dirname(os.path.abspath(_JSON_OUT.value))):
         raise ValueError(f"--json_out={_JSON_OUT.value}: its directory does not exist")
-    root = tempfile.mkdtemp(prefix="checkpoint_bench_", dir=_WORKDIR.value or "/tmp")
+    root = tempfile.mkdtemp(prefix="checkpoint_bench_", dir=_WORKDIR.value or tempfile.gettempdir())
     meter = common.LoadMeter()
     try:
         logging.info("state: %g GiB float32 + step; workdir %s", _STATE_GIB.value, root)

@@ -38,15 +38,16 @@ from runtime import entry
 
 _VARIANT = flags.DEFINE_enum("variant", None, ["saves", "passes", "restores", "rss_service_save", "rss_orbax_save",
                                                 "rss_restore"], "What to measure (see VARIANTS).", required=True)
-_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (128 MiB arrays).",
-                                lower_bound=0.125)
+_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (--array_mib arrays).",
+                                lower_bound=1 / 1024)
+_ARRAY_MIB = flags.DEFINE_integer("array_mib", 128, "Size of each array, MiB.", lower_bound=1)
 _ROOT = flags.DEFINE_string("root", None, "The benchmark's scratch directory.", required=True)
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of the variant's cases.", lower_bound=1)
 _PIN_CALLER = flags.DEFINE_boolean("pin_caller", False, "Before each case, the calling thread on the first core "
                                    "and every other thread (XLA's device threads, Orbax's) on the others: disjoint "
                                    "cores for the caller and the work it dispatches.")
 
-LEAF_SHAPE = (8192, 4096)  # 128 MiB of float32
+COLUMNS = 4096  # a row of float32 is 16 KiB: --array_mib * 64 rows, divisible by every layout's axes
 RUN = RunMetadata(config={"bench": True}, fixed_fields={}, fixed_hash="bench", mesh={"data": 4, "model": 2})
 RESTORE_SOURCE = "restore_src"  # written by rss_service_save, read by every restore
 # name -> (mesh axis sizes, partition spec of each array) of a state or restore target.
@@ -66,15 +67,20 @@ BLOCKING_PARTS = {
 PROBES = {name: common.CallProbe(*target) for name, target in BLOCKING_PARTS.items()}
 PROBES["fingerprint_readback"] = common.CallProbe(fingerprint_lib, "to_ints")  # by the background write
 PROBES["marks_readback"] = common.CallProbe(marks_lib, "fingerprint_ints")  # the step's, by the background write
-PROBES["restore_fingerprint_check"] = common.CallProbe(fingerprint_lib, "fingerprint_tree")
+# The restore's check, where the service calls it (checkpointing/checks.py: the fingerprints, then the comparison).
+PROBES["restore_fingerprint_check"] = common.CallProbe(service_lib, "check_fingerprints")
+
+
+def leaf_shape() -> tuple[int, int]:
+    return (_ARRAY_MIB.value * 64, COLUMNS)
 
 
 def num_arrays(state_gib: float) -> int:
-    return max(1, round(state_gib * 1024 / 128))
+    return max(1, round(state_gib * 1024 / _ARRAY_MIB.value))
 
 
 def state_bytes(state_gib: float) -> int:
-    return num_arrays(state_gib) * 128 * 2**20 + 4
+    return num_arrays(state_gib) * _ARRAY_MIB.value * 2**20 + 4
 
 
 def shardings(layout: str) -> dict:
@@ -88,14 +94,14 @@ def shardings(layout: str) -> dict:
 def random_state() -> dict:
     """Random arrays made directly in their shards (no host copy), fully sharded over data=4,model=2."""
     target = shardings("same")
-    make = jax.jit(lambda key: jax.random.normal(key, LEAF_SHAPE, jnp.float32), out_shardings=target["w0"])
+    make = jax.jit(lambda key: jax.random.normal(key, leaf_shape(), jnp.float32), out_shardings=target["w0"])
     state = {name: make(jax.random.key(i)) for i, name in enumerate(target) if name != "step"}
     state["step"] = jax.device_put(jnp.int32(0), target["step"])
     return jax.block_until_ready(state)
 
 
 def abstract_state(layout: str) -> dict:
-    return {name: jax.ShapeDtypeStruct(() if name == "step" else LEAF_SHAPE,
+    return {name: jax.ShapeDtypeStruct(() if name == "step" else leaf_shape(),
                                        jnp.int32 if name == "step" else jnp.float32, sharding=sharding)
             for name, sharding in shardings(layout).items()}
 
@@ -234,11 +240,20 @@ def marked_step(state, fingerprints: bool):
     return (new, marks_of(new)) if fingerprints else new
 
 
+def restore_target(layout: str) -> dict:
+    """The abstract state of `layout`, with its save marks compiled: the trainer compiles them before its
+    restore (trainer/loop.py), whose check then dispatches them (checkpointing/marks.py)."""
+    target = abstract_state(layout)
+    marks_lib.compile_marks(target)
+    return target
+
+
 def timed_restores() -> dict[str, list[float]]:
     service = CheckpointService(os.path.join(_ROOT.value, RESTORE_SOURCE), read_only=True, run=RUN)
+    targets = {layout: restore_target(layout) for layout in LAYOUTS}
 
     def one(layout: str) -> dict[str, float]:
-        target = abstract_state(layout)
+        target = targets[layout]
         reset_probes()
         started = time.perf_counter()
         restored = jax.block_until_ready(service.restore(1, target).state)
@@ -266,7 +281,7 @@ def rss_save(kind: str) -> dict[str, list[int]]:
 def rss_restore() -> dict[str, list[int]]:
     """Peak RSS during one restore, above the state it restores (the process held none before)."""
     service = CheckpointService(os.path.join(_ROOT.value, RESTORE_SOURCE), read_only=True, run=RUN)
-    target = abstract_state("same")
+    target = restore_target("same")
     settle()
     before = common.reset_peak_rss()
     restored = jax.block_until_ready(service.restore(1, target).state)

@@ -53,7 +53,10 @@ from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout
 _STEPS = flags.DEFINE_integer("steps", 80, "Training steps per run (80: ten commits, most of them after the "
                               "verifier's memory stopped growing).")
 _SAVE_EVERY = flags.DEFINE_integer("save_every_steps", 8, "Checkpoint interval (steps).")
-_HIDDEN = flags.DEFINE_integer("hidden_dim", 2752, "mlp hidden width (the state must be >= 256 MiB).")
+_HIDDEN = flags.DEFINE_integer("hidden_dim", 2752, "mlp hidden width (the state must be >= --min_state_mib).")
+_MIN_STATE = flags.DEFINE_float("min_state_mib", 256, "Refuse a smaller state: below it a restore measures start-up "
+                                "more than reading (0: a smoke run of every code path, tests/test_benchmarks.py).",
+                                lower_bound=0)
 _LAYERS = flags.DEFINE_integer("num_layers", 4, "mlp hidden layers.")
 # The mlp's default 16 features: its cross-layout tolerance was measured there. With 1024 (targets
 # sums of 1024 features, first losses near 8e6) the run diverges across layouts beyond it.
@@ -76,7 +79,8 @@ _VERIFIER_V = flags.DEFINE_integer("verifier_v", 0, "The verifier's absl --v: 1 
                                    "wait and verdict written, with its time, to its log (kept when a run fails).")
 _RESTORE_REPEATS = flags.DEFINE_integer("restore_repeats", 3, "Plain restores of each measured step.")
 _RUN_TIMEOUT = flags.DEFINE_float("run_timeout_secs", 600, "Kill a run's processes after this long.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default /tmp), deleted at the end.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Makes a fresh temp dir under this (default: $TMPDIR, else /tmp), "
+                               "deleted at the end.")
 _RESTORE_CHILD = flags.DEFINE_string("restore_child", None, "Internal: time plain restores of this workdir.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the ratios as a JSON object to this file.")
 
@@ -157,7 +161,7 @@ def run_once(run_dir: str, budget: str | None) -> dict:
     steps_per_sec = float(DONE.findall(logs["train"])[-1])
     problems = unproved(commits, verdicts, complete) if budget is not None else []
     if len(commits) < 2 or problems:
-        kept = keep_for_diagnosis(run_dir, ckpt, _WORKDIR.value or "/tmp")
+        kept = keep_for_diagnosis(run_dir, ckpt, _WORKDIR.value or tempfile.gettempdir())
         raise RuntimeError(f"run {run_dir}: {len(commits)} commits; {'; '.join(problems) or 'too few commits'} "
                            f"(its logs, verdicts and probes are kept in {kept})")
     logging.info("run %s: %.3f steps/s, commit->verdict %s", run_dir, steps_per_sec,
@@ -256,9 +260,10 @@ def main(argv):
     del argv
     if _RESTORE_CHILD.value:
         return restore_child(_RESTORE_CHILD.value)
-    if state_mib(_HIDDEN.value) < 256:
-        raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below 256 MiB: raise --hidden_dim")
-    root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or "/tmp")
+    if state_mib(_HIDDEN.value) < _MIN_STATE.value:
+        raise app.UsageError(f"the state is {state_mib(_HIDDEN.value):.1f} MiB, below --min_state_mib="
+                             f"{_MIN_STATE.value:g}: raise --hidden_dim")
+    root = tempfile.mkdtemp(prefix="verifier_bench_", dir=_WORKDIR.value or tempfile.gettempdir())
     variants = [None] + _BUDGETS.value
     results, keep, other, started = {variant: [] for variant in variants}, None, other_cpu_secs(), time.time()
     try:

@@ -52,6 +52,12 @@ class Attempt:
     def last_step(self) -> int | None:
         return self.steps[-1] if self.steps else None
 
+    @property
+    def reached(self) -> int | None:
+        """The step counter its own records show it reached: its last recorded loss's step + 1 (that update
+        was done), or where it started if it recorded none."""
+        return self.last_step + 1 if self.steps else self.first_step
+
 
 @dataclasses.dataclass
 class History:
@@ -144,7 +150,9 @@ def read_metrics_lines(workdir: str) -> list[str]:
 
 def attempts_from_manifests(manifests: dict[int, dict]) -> list[Attempt]:
     """Attempts where metrics.jsonl has none (gs://): consecutive manifests that resumed from the same
-    step belong to one attempt."""
+    step belong to one attempt. A manifest's losses of steps before its attempt's start were computed by
+    the attempt before (a resume from a local step carries them to the next persistent save): they are
+    that attempt's records, so they show how far it got."""
     attempts: list[Attempt] = []
     previous_key = object()
     for step in sorted(manifests):
@@ -157,8 +165,11 @@ def attempts_from_manifests(manifests: dict[int, dict]) -> list[Attempt]:
                                     layout_of(manifest["mesh"], manifest["process_count"])))
             previous_key = key
         for s, loss in sorted(manifest_lib.losses(manifest).items()):
-            attempts[-1].steps.append(s)
-            attempts[-1].losses.append(loss)
+            current = attempts[-1]
+            before = attempts[-2] if len(attempts) > 1 and s < current.resumed_from else None
+            owner = before if before is not None and (before.last_step is None or s > before.last_step) else current
+            owner.steps.append(s)
+            owner.losses.append(loss)
     return attempts
 
 

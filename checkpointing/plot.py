@@ -13,8 +13,9 @@ of steps below N) is drawn at x = N, where the losses it holds end, at the heigh
   checkpoints   one point per committed step, coloured by the verifier's verdict
   preemptions   the steps saved with reason `preemption`
   resumes       where each attempt after the first started, with its layout and tier
-  crashes       where an attempt ended (its last logged step + 1) when the next attempt did not
-                start at a preemption or final checkpoint that ends it: a crash, a kill, a rollback
+  crashes       where an attempt that ended unsaved stopped, from its own records (its last logged
+                step + 1), when the next attempt did not start at a preemption or final checkpoint
+                that attempt made: a crash, a kill, a rollback
   evals         the eval loss of each step that has one
 `proof_series(run, reference, tolerance)` prepares the second panel: each step's relative
 difference to an uninterrupted reference run, exact zeros on a marked floor.
@@ -110,15 +111,18 @@ def _manifest_resumes(manifests: dict[int, dict]) -> list[Resume]:
 
 
 def _crashes(attempts: list[Attempt], clean_ends: set[int]) -> list[int]:
-    """Where an attempt ended unsaved: the next one did not start at a preemption or final save that
-    ends it (what it logged after its last commit was lost and recomputed)."""
+    """Where each attempt that ended unsaved (a crash, a kill) stopped: the step its own records reached
+    (Attempt.reached), whatever step the next attempt resumed from. An attempt ended saved when the next
+    one started at a preemption or final checkpoint made after it began: that checkpoint is its end,
+    drawn as the preemption, even where its records stop short of it (metrics.jsonl is a convenience
+    copy: an append that failed on a full disk is a warning, not a stop)."""
     crashes = []
     for attempt, following in zip(attempts, attempts[1:]):
-        end = attempt.last_step + 1 if attempt.steps else attempt.first_step
-        if end is None or following.first_step is None:
+        start = following.first_step
+        if start in clean_ends and (attempt.first_step or 0) < start:
             continue
-        if not (following.first_step == end and end in clean_ends):
-            crashes.append(end)
+        if attempt.reached is not None:
+            crashes.append(attempt.reached)
     return crashes
 
 

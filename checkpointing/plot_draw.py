@@ -9,6 +9,7 @@ last loss ends exactly at x = N, where its marker sits, and the eval of step N s
 
 import io
 import math
+import textwrap
 
 from etils import epath
 
@@ -106,26 +107,46 @@ def _proof_panel(axes, run: Series, proof: Proof, crash_label: str) -> None:
     axes.set_ylabel("relative difference")
 
 
-def draw(run: Series, path: str, *, title: str, reference=None, proof: Proof | None = None,
-         crash_label: str = "crash") -> None:
+def _title(picture, title: str) -> None:
+    """The title over the whole figure, legend included, wrapped to the figure's width (a long workdir name
+    is broken where it must be): constrained layout then reserves the height of every line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    text = picture.suptitle(title, fontsize="large")
+    renderer = FigureCanvasAgg(picture).get_renderer()  # measures the text as the PNG draws it
+    room = 0.96 * picture.bbox.width
+    columns = len(title)
+    while columns > 8 and not (text.get_window_extent(renderer).width <= room):
+        columns = max(8, int(columns * min(room / text.get_window_extent(renderer).width, 0.95)))
+        text.set_text(textwrap.fill(title, columns, break_long_words=True, break_on_hyphens=False))
+
+
+def figure(run: Series, *, title: str, reference=None, proof: Proof | None = None, crash_label: str = "crash"):
+    """The picture as a matplotlib Figure (Agg: no display), not yet drawn."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: a file only
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 8 if proof else 5), layout="constrained")
+    picture = Figure(figsize=(12, 8 if proof else 5), layout="constrained")
     if proof is None:
-        loss_axes, proof_axes = figure.add_subplot(), None
+        loss_axes, proof_axes = picture.add_subplot(), None
     else:
-        loss_axes, proof_axes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+        loss_axes, proof_axes = picture.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     _loss_panel(loss_axes, run, reference, crash_label)
-    loss_axes.set_title(title)
+    _title(picture, title)
     loss_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
     if proof_axes is not None:
         _proof_panel(proof_axes, run, proof, crash_label)
         proof_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
     (proof_axes or loss_axes).set_xlabel("step (the loss of step s, computed by the update s -> s+1, is drawn "
                                          "over [s, s+1); checkpoint N at N)")
+    return picture
+
+
+def draw(run: Series, path: str, *, title: str, reference=None, proof: Proof | None = None,
+         crash_label: str = "crash") -> None:
     buffer = io.BytesIO()
-    figure.savefig(buffer, format=path.rsplit(".", 1)[-1].lower())
+    figure(run, title=title, reference=reference, proof=proof, crash_label=crash_label).savefig(
+        buffer, format=path.rsplit(".", 1)[-1].lower())
     epath.Path(path).write_bytes(buffer.getvalue())

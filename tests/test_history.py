@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from checkpointing import plot, read_history
+from checkpointing import history, plot, read_history
 from checkpointing import workdir as workdir_lib
 from checkpointing.history import Attempt, parse_metrics
 from checkpointing.workdir import committed_steps, read_manifest
@@ -152,6 +152,106 @@ def test_plot_series_draws_each_attempt_its_crash_and_the_eval_losses(tmp_path):
     out = tmp_path / "run.png"
     plot.draw(run, str(out), title="run")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- where the picture draws each fault ------------------------------------------------------------
+
+def _save(workdir: str, step: int, losses: range, reason: str, mesh: dict, resumed_from: tuple | None) -> None:
+    """A real committed save of a tiny state, whose manifest records `losses` (loss = 1 / (step + 1)) and
+    the attempt it came from, as the trainer's would."""
+    import jax.numpy as jnp
+
+    from checkpointing.config import CheckpointConfig
+    from checkpointing.service import CheckpointService, RunMetadata
+
+    run = RunMetadata(config={"model": "test"}, fixed_fields={}, fixed_hash="test", mesh=mesh)
+    service = CheckpointService(workdir, CheckpointConfig(max_to_keep=100), run=run)
+    extra = {"resumed_from": {"step": resumed_from[0], "tier": resumed_from[1]}} if resumed_from else None
+    service.save(step, {"w": jnp.zeros((8,), jnp.float32)}, losses={s: 1.0 / (s + 1) for s in losses},
+                 reason=reason, extra=extra)
+    service.close()
+
+
+FIRST, OTHER = {"data": 4, "model": 2}, {"data": 8}
+
+
+@pytest.fixture(scope="module")
+def killed_then_preempted(tmp_path_factory):
+    """The demo's story, small: attempt 1 (fresh) commits 10 and is killed once its local step 15 is
+    committed, having logged steps 0..14; attempt 2 resumes from local 15 (carrying losses 10..14 to its
+    first persistent save), commits 20 and 30 and is preempted at 33, but the appends of its last losses
+    (30..32) failed; attempt 3 resumes from the preemption checkpoint on another layout and ends at 50."""
+    workdir = str(tmp_path_factory.mktemp("faults") / "run")
+    _save(workdir, 10, range(0, 10), "interval", FIRST, None)
+    for step, losses, reason in ((20, range(10, 20), "interval"), (30, range(20, 30), "interval"),
+                                 (33, range(30, 33), "preemption")):
+        _save(workdir, step, losses, reason, FIRST, (15, "local"))
+    _save(workdir, 40, range(33, 40), "interval", OTHER, (33, "persistent"))
+    _save(workdir, 50, range(40, 50), "final", OTHER, (33, "persistent"))
+    first, other = "data=4,model=2 (1 processes)", "data=8 (1 processes)"
+    records = [history.attempt_record(1, 0, None, first), *_losses(1, range(0, 15)),
+               history.attempt_record(2, 15, "local", first), *_losses(2, range(15, 30)),
+               history.attempt_record(3, 33, "persistent", other), *_losses(3, range(33, 50))]
+    metrics_path = os.path.join(workdir, workdir_lib.METRICS_FILE)
+    with open(metrics_path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+    return workdir
+
+
+def _losses(attempt: int, steps: range) -> list[dict]:
+    return [{"step": s, "loss": 1.0 / (s + 1), "attempt": attempt} for s in steps]
+
+
+def test_each_fault_is_drawn_where_its_attempt_stopped_not_where_the_next_one_ended(killed_then_preempted):
+    run = plot.series(killed_then_preempted)
+    killed, resumed, _ = run.attempts
+    assert killed.last_step == 14 and killed.reached == 15
+    assert run.crashes == [killed.reached] == [15], "the kill: where the killed attempt's own records end"
+    assert resumed.last_step == 29, "its last appends failed: its records stop short of the preemption"
+    assert run.preemptions == [33], "the resumed attempt ended at its preemption checkpoint, not in a crash"
+    assert [(r.step, r.tier) for r in run.resumes] == [(15, "local"), (33, "persistent")]
+    assert [(start, end, a.number) for start, end, a in run.spans()] == [(0, 15, 1), (15, 33, 2), (33, 50, 3)]
+
+
+def test_without_metrics_the_kill_is_drawn_where_the_carried_losses_of_the_killed_attempt_end(
+        killed_then_preempted, tmp_path):
+    """A gs:// workdir has no metrics.jsonl: the attempts come from the manifests, and the losses attempt 2
+    carried from attempt 1's local step (10..14) are attempt 1's records."""
+    import shutil
+
+    workdir = str(tmp_path / "run")
+    shutil.copytree(killed_then_preempted, workdir)
+    os.remove(os.path.join(workdir, workdir_lib.METRICS_FILE))
+    run = plot.series(workdir)
+    assert [(a.first_step, a.steps[0], a.last_step) for a in run.attempts] == [(0, 0, 14), (15, 15, 32), (33, 33, 49)]
+    assert run.crashes == [15] and run.preemptions == [33]
+    assert run.loss_steps == list(range(50))
+
+
+def _title_inside(picture) -> tuple:
+    """(the title's box, the figure's box, the box of everything drawn), in display units, after a draw."""
+    picture.canvas.draw()
+    (title,) = [t for t in picture.texts if t.get_text()]
+    renderer = picture.canvas.get_renderer()
+    return title.get_window_extent(renderer), picture.bbox, picture.get_tightbbox(renderer)
+
+
+@pytest.mark.parametrize("title", [
+    "demo-20250101-120000: the job crashed, resumed from its local tier, was preempted, resumed on another layout",
+    "/mnt/checkpoints/" + "a-very-long-workdir-name_" * 12 + ": the job crashed, resumed from its local tier",
+])
+def test_the_title_fits_inside_the_picture(killed_then_preempted, title):
+    from checkpointing import plot_draw
+
+    run = plot.series(killed_then_preempted)
+    proof = plot.proof_series(run, (run.loss_steps, run.loss_values), tolerance=1e-5)
+    picture = plot_draw.figure(run, title=title, reference=(run.loss_steps, run.loss_values), proof=proof)
+    title_box, figure_box, drawn = _title_inside(picture)
+    for box in (title_box, drawn):
+        assert (figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1 and figure_box.y0 <= box.y0
+                and box.y1 <= figure_box.y1), f"{box} is not inside the figure {figure_box}"
+    axes_top = max(axes.get_window_extent().y1 for axes in picture.axes)
+    assert title_box.y0 >= axes_top, "the title sits above the panels, not over them"
 
 
 # --- the picture's proof panel ---------------------------------------------------------------------
