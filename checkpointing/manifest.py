@@ -23,6 +23,9 @@ Fields:
                  (checkpointing/replay.py); absent: the built-in trainer's program
   init_from      optional: {"workdir", "step", "digest"}, the other run's committed step whose params
                  this run started from (--init_from); its proofs start there, not at the seed
+  platform       optional: {"backend", "device_kind", "jax", "jaxlib", "libtpu" (str or null),
+                 "matmul_precision", "x64"}, what decides the bits besides the config and the layout
+                 (checkpointing/platform_record.py), taken when save() is called; absent: unknown
   digest         sha256 of every other field in canonical JSON (sorted keys, no spaces): an edited
                  loss, fingerprint or config field makes the step corrupt instead of framing a
                  neighbour's proof (a check against accidents, not a signature)
@@ -39,6 +42,7 @@ from typing import Any
 
 import jax
 
+from checkpointing import platform_record
 from checkpointing.errors import ManifestError
 
 MANIFEST_FORMAT = 2
@@ -74,6 +78,7 @@ _OPTIONAL: dict[str, Any] = {
     "init_from": lambda v: isinstance(v, dict) and isinstance(v.get("workdir"), str)
     and isinstance(v.get("step"), int) and not isinstance(v.get("step"), bool) and isinstance(v.get("digest"), str),
     "total_steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,  # the run's last step
+    "platform": platform_record.is_valid,
 }
 
 
@@ -97,8 +102,10 @@ def leaf_table(tree) -> dict[str, dict]:
 
 def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], losses: dict[int, float],
           config: dict, fixed_hash: str, fixed_fields: dict, mesh: dict[str, int], reason: str,
-          extra: dict | None = None, tier_fields: dict | None = None, identity_fields: dict | None = None) -> dict:
-    """`leaves` is leaf_table(state); each entry gets its fingerprint; `tier_fields`: a local step's layout."""
+          extra: dict | None = None, tier_fields: dict | None = None, identity_fields: dict | None = None,
+          platform: dict | None = None) -> dict:
+    """`leaves` is leaf_table(state); each entry gets its fingerprint; `tier_fields`: a local step's layout;
+    `platform`: platform_record.record() where the state was computed (None: this thread's, now)."""
     leaves = {path: {**leaf, "fingerprint": fingerprints[path]} for path, leaf in leaves.items()}
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -113,6 +120,7 @@ def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], l
         "leaves": leaves,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "reason": reason,
+        "platform": dict(platform_record.record() if platform is None else platform),
     }
     if extra:  # optional, so older manifests stay valid; covered by the digest like every field
         manifest["extra"] = dict(extra)

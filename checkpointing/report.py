@@ -2,6 +2,7 @@
 
 from checkpointing.config import format_mesh
 from checkpointing import manifest as manifest_lib
+from checkpointing import platform_record
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from checkpointing.workdir import committed_steps, read_manifest
@@ -34,6 +35,7 @@ def table_rows(workdir: str) -> list[dict]:
             "bytes": directory_bytes(fresh_path(str(workdir_lib.step_dir(workdir, step)))),
             "mesh": format_mesh(manifest["mesh"]),
             "processes": manifest["process_count"],
+            "platform": platform_record.describe(manifest.get("platform")),  # '-': saved before it was recorded
             "saved_at": manifest["saved_at"],
             "reason": manifest["reason"],
             "resumed_from": _resumed_from(manifest),

@@ -29,6 +29,7 @@ from checkpointing import marks as marks_lib
 from checkpointing import input_state
 from checkpointing import local_tier
 from checkpointing import orbax_hooks
+from checkpointing import platform_record
 from checkpointing import reads
 from checkpointing.config import CheckpointConfig
 from checkpointing import manifest as manifest_lib
@@ -142,6 +143,7 @@ class CheckpointService:
         run = self._run
         local = self.tier == manifest_lib.LOCAL
         tier_fields = local_tier.manifest_fields(state) if local else None
+        platform = platform_record.record()  # here: the caller's thread, whose matmul precision computed the state
 
         def build_manifest() -> dict:
             ints = (marks_lib.fingerprint_ints(marked, list(leaves)) if marked is not None
@@ -150,7 +152,8 @@ class CheckpointService:
                 step=step, leaves=leaves, fingerprints=ints, losses=losses,
                 config=run.config, fixed_hash=run.fixed_hash, fixed_fields=run.fixed_fields, mesh=run.mesh,
                 reason=reason, extra=extra, tier_fields=tier_fields,
-                identity_fields={"program": run.program, "init_from": run.init_from, "total_steps": run.total_steps})
+                identity_fields={"program": run.program, "init_from": run.init_from, "total_steps": run.total_steps},
+                platform=platform)
 
         started = time.perf_counter()
         self._manager.background_failure = None  # any earlier one was raised by check_for_errors above

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from checkpointing import manifest as manifest_lib
+from checkpointing import platform_record
 from checkpointing import workdir as workdir_lib
 from checkpointing.errors import CorruptCheckpointError, ManifestError
 from checkpointing.workdir import read_manifest
@@ -63,6 +64,7 @@ def test_build_records_what_a_resume_and_a_proof_need():
     assert {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint"} == set(manifest["versions"])
     assert manifest["process_count"] == 1 and manifest["reason"] == "interval" and "extra" not in manifest
     assert "total_steps" not in manifest  # optional: a manifest without it is as before
+    assert manifest["platform"] == platform_record.record()  # what decides the bits (tests/test_platform.py)
     with_total = manifest_lib.build(**{**_BUILD, "identity_fields": {"total_steps": 80}})
     assert with_total["total_steps"] == 80 and manifest_lib.validate(copy.deepcopy(with_total)) == with_total
 
@@ -96,11 +98,24 @@ def _resealed(edit):
     (_resealed(lambda m: m["leaves"][".w"].update(shape=[2.0])), "field 'leaves' has an invalid value"),
     (_resealed(lambda m: m.update(total_steps="80")), "field 'total_steps' has an invalid value"),
     (_resealed(lambda m: m.update(total_steps=0)), "field 'total_steps' has an invalid value"),
+    (_resealed(lambda m: m["platform"].update(libtpu=7)), "field 'platform' has an invalid value"),
+    (_resealed(lambda m: m["platform"].update(x64="no")), "field 'platform' has an invalid value"),
+    (_resealed(lambda m: m["platform"].pop("matmul_precision")), "field 'platform' has an invalid value"),
+    (_resealed(lambda m: m["platform"].update(gpu="A100")), "field 'platform' has an invalid value"),
 ])
 def test_the_schema_names_the_field_that_is_wrong(broken, message):
     with pytest.raises(ManifestError) as refused:
         manifest_lib.validate(broken, "step 10 manifest")
     assert str(refused.value) == f"step 10 manifest: {message}"
+
+
+def test_a_manifest_from_before_the_platform_record_is_valid_and_its_edited_record_is_not():
+    manifest = _resealed(lambda m: m.pop("platform"))
+    assert manifest_lib.validate(copy.deepcopy(manifest)) == manifest
+    recorded = _manifest()
+    recorded["platform"]["matmul_precision"] = "highest"  # claims a precision it was not computed at
+    with pytest.raises(ManifestError, match="digest"):
+        manifest_lib.validate(recorded)
 
 
 def test_a_format_1_manifest_without_a_digest_is_still_read():
