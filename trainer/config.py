@@ -60,6 +60,10 @@ class TrainConfig:
                                    minimum=0.0)
     grad_accum_steps: int = option(1, "Accumulate gradients over this many steps per update (optax.MultiSteps; "
                                       "1 off); the accumulators are state.", minimum=1)
+    matmul_precision: str = option("default", "Matmul precision of the whole run, as jax names it: default (the "
+                                              "backend's own: bfloat16 passes on TPU), high, or highest (float32 "
+                                              "everywhere, so a CPU can replay a TPU run); bfloat16, tensorfloat32 "
+                                              "and float32 name the same three. A resume may not change it.")
     refuse_code_change: bool = option(False, "Refuse (exit 2) to resume a run whose newest checkpoint was computed "
                                              "by other code (spec source, git commit, version); else warn.")
     # The model spec's own fields (trainer.models.ModelField) as ((name, value), ...), every one of the
@@ -78,7 +82,8 @@ class TrainConfig:
         """FIXED_FIELDS and the model spec's fixed fields: the names the Checkpointer hashes."""
         from trainer import models  # the model registry imports this module for TrainConfig
 
-        return FIXED_FIELDS + tuple(f.name for f in models.resolve(self.model).fields if f.fixed)
+        set_ones = tuple(name for name in FIXED_WHEN_SET if getattr(self, name) != _default(name))
+        return FIXED_FIELDS + set_ones + tuple(f.name for f in models.resolve(self.model).fields if f.fixed)
 
     def fixed_fields(self) -> dict:
         flat = self.to_json()
@@ -138,9 +143,22 @@ FIXED_FIELDS = (
     "optimizer", "weight_decay", "lr_schedule", "warmup_steps", "lr_decay_steps", "grad_clip_norm",
     "grad_accum_steps",
 )
+# Fixed, but only at a value other than the default: it decides the numbers (a resume may not change it),
+# and was added after runs were saved. Left out of the hash at its default, so such a run, whose
+# fixed_fields lack it, hashes as before and resumes; set, it is in the hash and a resume that changes
+# it is refused by name. Not a field to change mid-run like the mesh: the verifier replays a run at one
+# precision, and a resume that dropped --matmul_precision=highest would quietly end its cross-platform proofs.
+FIXED_WHEN_SET = ("matmul_precision",)
 CODE_FIELD = "code"  # the Checkpointer's config dict records what computed each manifest here (trainer/code.py)
 OPTIMIZERS = ("adam", "adamw")
 LR_SCHEDULES = ("constant", "warmup_cosine")
+# --matmul_precision -> jax's name: jax takes the dtype names as aliases of the three.
+MATMUL_PRECISIONS = {"default": "default", "high": "high", "highest": "highest",
+                     "bfloat16": "default", "tensorfloat32": "high", "float32": "highest"}
+
+
+def _default(name: str):
+    return TrainConfig.__dataclass_fields__[name].default
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
@@ -197,6 +215,10 @@ def check_training_fields(config: TrainConfig, spec) -> TrainConfig:
         raise ConfigError(f"--optimizer={config.optimizer}: must be one of {', '.join(OPTIMIZERS)}")
     if config.lr_schedule not in LR_SCHEDULES:
         raise ConfigError(f"--lr_schedule={config.lr_schedule}: must be one of {', '.join(LR_SCHEDULES)}")
+    if config.matmul_precision not in MATMUL_PRECISIONS:
+        raise ConfigError(f"--matmul_precision={config.matmul_precision}: must be one of "
+                          f"{', '.join(MATMUL_PRECISIONS)}")
+    config = dataclasses.replace(config, matmul_precision=MATMUL_PRECISIONS[config.matmul_precision])
     if config.weight_decay and config.optimizer != "adamw":
         raise ConfigError(f"--weight_decay={config.weight_decay} needs --optimizer=adamw")
     if config.lr_schedule == "warmup_cosine" and not config.lr_decay_steps:

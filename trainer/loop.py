@@ -1,5 +1,6 @@
 """The training loop: build the program, run the donated step, pull losses at the log cadence."""
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -16,7 +17,7 @@ from trainer import compile_cache, data, metrics, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
-from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program
+from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program, jax_precision
 
 
 @dataclasses.dataclass
@@ -181,6 +182,24 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None,
     anything is written (a refused trainer leaves the workdir as it was); it is released on every exit.
     """
     opened_at = time.perf_counter() if opened_at is None else opened_at
+    with matmul_precision(config.matmul_precision):
+        return _open_and_train(config, startup_phases, opened_at)
+
+
+@contextlib.contextmanager
+def matmul_precision(value: str):
+    """--matmul_precision for everything this process computes until the run ends (the step and init are
+    also traced at it, trainer/program.py; here the eval and the manifests' platform record see it too);
+    the process's previous setting afterwards, for a caller that trains in-process."""
+    previous = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", jax_precision(value))
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", previous)
+
+
+def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None, opened_at: float) -> TrainResult:
     mesh = build_mesh(config)
     # The record files are opened and checked first: a bad glob or file, or other files than the
     # checkpoints were trained on, is refused before the Checkpointer takes the lease (nothing written).

@@ -4,7 +4,9 @@ One owner for the compiled pieces: the init, the donated step and the batch func
 the state shardings they agree on and the abstract state a restore targets. The model comes
 from its spec (trainer.models.resolve(config.model)); nothing here knows which one it is.
 A Program is the replay program the verifier needs (verifier/program.py's protocol), and
-`replay_program` is how the verifier builds one from a manifest's config on its own mesh.
+`replay_program` is how the verifier builds one from a manifest's config on its own mesh. The init and
+the step are traced at the config's --matmul_precision whatever the calling thread's setting, so a
+verifier replays each run at the precision it recorded.
 """
 
 import dataclasses
@@ -69,7 +71,7 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # (so it can be donated and the next call hits the same executable), the batch is split
     # over 'data', and the scalar loss is replicated so any process can read it.
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
-    step = make_step(config, spec, module, codec)
+    step = at_precision(make_step(config, spec, module, codec), config.matmul_precision)
     # The save marks (fingerprints, summaries) of a state: asked by a replicated flag, out replicated.
     marks_fn = save_marks_fn(shardings)
     step_fn = step_lib.StepFn(jax.jit(
@@ -84,7 +86,7 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
         abstract_state=state_lib.with_shardings(abstract, shardings),
         state_shardings=shardings,
         batch_sharding=batch_sharding,
-        init_fn=jax.jit(init, out_shardings=shardings),
+        init_fn=jax.jit(at_precision(init, config.matmul_precision), out_shardings=shardings),
         step_fn=step_fn,
         batch_fn=batch_fn,
         loss_rtol=spec.tolerances_of(config)[0],
@@ -103,6 +105,32 @@ def make_step(config: TrainConfig, spec: models.ModelSpec, module, codec: state_
     return functools.partial(step_lib.train_step, functools.partial(spec.loss, module), spec.takes_model_state,
                              codec, functools.partial(data.step_rng, config),
                              state_lib.step_learning_rate(config, spec))
+
+
+def jax_precision(matmul_precision: str) -> str | None:
+    """jax_default_matmul_precision's value for a --matmul_precision: None at the default, as in a process
+    that never set it (the same HLO as before the flag existed)."""
+    return None if matmul_precision == "default" else matmul_precision
+
+
+def at_precision(fn: Callable, matmul_precision: str) -> Callable:
+    """`fn` traced at `matmul_precision`: every dot it computes carries that precision in its HLO, whichever
+    precision the thread that compiles it has set (the verifier proves runs of several in one process)."""
+    precision = jax_precision(matmul_precision)
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with jax.default_matmul_precision(precision):
+            return fn(*args)
+
+    traced.__name__ = _name(fn)  # jit names its executables (and compilation cache entries) after it
+    return traced
+
+
+def _name(fn) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", "fn")
 
 
 def check_model(config: TrainConfig, spec: models.ModelSpec) -> None:
