@@ -1,8 +1,8 @@
 """What decides the bits a step computes besides the config and the layout: the platform, as every
 manifest records it (`platform`).
 
-    {"backend": "tpu", "device_kind": "TPU v5 lite", "jax": "0.10.2", "jaxlib": "0.10.2",
-     "libtpu": "0.0.21" | None, "matmul_precision": "default", "x64": False}
+    {"backend": "tpu", "device_kind": "TPU v5 lite", "jax": <version>, "jaxlib": <version>,
+     "libtpu": <version> | None, "matmul_precision": "default", "x64": False}
 
 A replay on the same platform and layout is bit-exact; on another one (another backend, device kind,
 compiler version, or a matmul precision below float32 on an accelerator) it is not, and a verifier says
