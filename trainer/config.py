@@ -62,8 +62,9 @@ class TrainConfig:
                                       "1 off); the accumulators are state.", minimum=1)
     matmul_precision: str = option("default", "Matmul precision of the whole run, as jax names it: default (the "
                                               "backend's own: bfloat16 passes on TPU), high, or highest (float32 "
-                                              "everywhere, so a CPU can replay a TPU run); bfloat16, tensorfloat32 "
-                                              "and float32 name the same three. A resume may not change it.")
+                                              "everywhere: for runs to be proved on another platform); bfloat16, "
+                                              "tensorfloat32 and float32 name the same three. A resume may not "
+                                              "change it.")
     refuse_code_change: bool = option(False, "Refuse (exit 2) to resume a run whose newest checkpoint was computed "
                                              "by other code (spec source, git commit, version); else warn.")
     # The model spec's own fields (trainer.models.ModelField) as ((name, value), ...), every one of the
@@ -82,8 +83,8 @@ class TrainConfig:
         """FIXED_FIELDS and the model spec's fixed fields: the names the Checkpointer hashes."""
         from trainer import models  # the model registry imports this module for TrainConfig
 
-        set_ones = tuple(name for name in FIXED_WHEN_SET if getattr(self, name) != _default(name))
-        return FIXED_FIELDS + set_ones + tuple(f.name for f in models.resolve(self.model).fields if f.fixed)
+        set_fields = tuple(name for name in FIXED_WHEN_SET if getattr(self, name) != _default(name))
+        return FIXED_FIELDS + set_fields + tuple(f.name for f in models.resolve(self.model).fields if f.fixed)
 
     def fixed_fields(self) -> dict:
         flat = self.to_json()
