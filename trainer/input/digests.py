@@ -1,9 +1,9 @@
 """Content digests of record files: the sha256 of each file's bytes, taken once and checked cheaply.
 
 A dataset is identified by its content (docs/data.md#the-datasets-identity). Only hashing proves the
-bytes, and it reads every file (about 0.7 s per GiB here from the page cache, more from a disk or a
-bucket), so a start-up takes a file's digest from a record that vouches for the file's current
-(size, mtime_ns), and hashes it only where none does:
+bytes, and it reads every file (0.7-0.8 s per GiB here from the page cache, 0.9-1.05 s from the
+disk: benchmarks/data_identity_bench.py), so a start-up takes a file's digest from a record that
+vouches for the file's current (size, mtime_ns), and hashes it only where none does:
 
   stat  (--check_data's default) prepare's metadata.json, which records each shard's size, mtime_ns
         and sha256 as it writes it (trainer/input/shards.py), else this host's digest cache; a file
