@@ -87,6 +87,9 @@ def test_only_full_sees_an_edit_that_restored_the_size_and_the_mtime(tmp_path):
     data_input.check_same(recorded, by_stat.identity())  # the documented limit of the cheap check
     full = open_train(folder, digests.FULL)
     assert (full.digest_tally.hashed, full.digest_tally.metadata) == (3, 0)
+    assert [note for note in full.digest_tally.notes if "differ from the sha256 prepare recorded" in note] == [
+        f"{path}: its bytes differ from the sha256 prepare recorded for its size and mtime (an edit that put the "
+        "mtime back?)"]
     with pytest.raises(data_input.ContentChangedError, match=f"file {SHARD}: its content changed"):
         data_input.check_same(recorded, full.identity())
 

@@ -100,21 +100,22 @@ def content_digests(paths: list[str], names: list[str], metadata: dict | None, c
     if check not in CHECKS:
         raise DataError(f"--check_data={check}: expected {' or '.join(CHECKS)}")
     tally, known = Tally(check), prepared(metadata)
-    caches: dict[str, FolderCache] = {}
+    caches: dict[str, FolderCache] = {}  # opened only for a file metadata.json does not vouch for
     digests = []
     for path, name in zip(paths, names):
         try:
             now = stat_of(path)
         except FileNotFoundError:
             raise RecordFileError(path, "missing") from None
+        vouched = known.get(name) if known.get(name, (None, None))[:2] == now else None
+        if check == STAT and vouched:
+            tally.metadata += 1
+            digests.append(vouched[2])
+            continue
         folder = os.path.dirname(os.path.realpath(path))
         if folder not in caches:
             caches[folder] = FolderCache(folder, cache_dir or default_cache_dir())
         cache = caches[folder]
-        if check == STAT and known.get(name, (None, None))[:2] == now:
-            tally.metadata += 1
-            digests.append(known[name][2])
-            continue
         cached = cache.lookup(os.path.basename(path), now) if check == STAT else None
         if cached is not None:
             tally.cache += 1
@@ -125,10 +126,10 @@ def content_digests(paths: list[str], names: list[str], metadata: dict | None, c
         tally.hashed, tally.hashed_bytes = tally.hashed + 1, tally.hashed_bytes + now[0]
         tally.hash_secs += time.perf_counter() - began
         cache.store(os.path.basename(path), now, digests[-1])
-    for cache in caches.values():
-        note = cache.save()
-        if note:
-            tally.notes.append(note)
+        if vouched and vouched[2] != digests[-1]:
+            tally.notes.append(f"{path}: its bytes differ from the sha256 prepare recorded for its size and mtime "
+                               "(an edit that put the mtime back?)")
+    tally.notes += [note for note in (cache.save() for cache in caches.values()) if note]
     return digests, tally
 
 
