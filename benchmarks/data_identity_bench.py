@@ -38,7 +38,6 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "Rounds, each timing every variant
 _CHEAP_SAMPLES = flags.DEFINE_integer("cheap_samples", 5, "plain and stat, alternated, this many times a round: "
                                       "each takes milliseconds, so one sample a round cannot tell them apart.",
                                       lower_bound=1)
-_DIR = flags.DEFINE_string("dir", None, "Where the temporary folder goes (default: the system's temp dir).")
 
 TOKENS_PER_RECORD = 1025  # --seq_len=1024
 VARIANTS = ("plain", "stat", "full", "full, cold")
@@ -104,7 +103,7 @@ def time_open(pattern: str, variant: str, paths: list[str]) -> float:
 
 def main(argv) -> None:
     meter = common.LoadMeter()
-    folder = tempfile.mkdtemp(prefix="data_identity_bench-", dir=_DIR.value)
+    folder = tempfile.mkdtemp(prefix="data_identity_bench-")  # under $TMPDIR, as every benchmark's scratch
     cache = tempfile.mkdtemp(prefix="data_identity_bench-cache-")
     os.environ["XDG_CACHE_HOME"] = cache  # not this user's digest cache: nothing of the run stays behind
     try:
@@ -129,13 +128,19 @@ def main(argv) -> None:
     print(f"data identity benchmark: {len(shards)} files, {mib:.0f} MiB, {metadata['splits']['train']['records']} "
           f"records of {TOKENS_PER_RECORD} tokens (written and hashed once in {write_secs:.2f} s), {_REPEATS.value} "
           f"repeats; other load {meter.other_cores():.2f} cores, load average {meter.load_average_at_start[0]:.2f}")
-    plain = statistics.median(secs["plain"])
-    for variant in VARIANTS:
-        median = statistics.median(secs[variant])
-        print(f"  {'open_records, ' + variant:<26} {1e3 * median:10.1f} ms (median of {len(secs[variant])}; "
-              f"{1e3 * min(secs[variant]):.1f}-{1e3 * max(secs[variant]):.1f})  ratio to plain {median / plain:8.2f}"
-              + (f"  {mib / median / 1024:.2f} GiB/s" if "full" in variant else ""))
+    for label, value in rows(secs, mib):
+        print(f"  {label:<52} {value}")
 
+
+def rows(secs: dict[str, list[float]], mib: float) -> list[tuple[str, str]]:
+    """(label, value) of each result: medians, their samples, the ratios to plain and the hash rates."""
+    median = {variant: statistics.median(samples) for variant, samples in secs.items()}
+    out = [(f"open_records, {variant}: ms (median)", f"{1e3 * median[variant]:.1f}") for variant in VARIANTS]
+    out += [(f"open_records, {variant}: ms (samples)", ",".join(f"{1e3 * s:.1f}" for s in secs[variant]))
+            for variant in VARIANTS]
+    out += [(f"ratio: {variant} / plain", f"{median[variant] / median['plain']:.2f}") for variant in VARIANTS[1:]]
+    out += [(f"{variant}: GiB/s hashed", f"{mib / 1024 / median[variant]:.2f}") for variant in VARIANTS[2:]]
+    return out
 
 if __name__ == "__main__":
     entry.run(main)
