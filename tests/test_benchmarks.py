@@ -52,6 +52,10 @@ BENCHMARKS = {
               "peak_rss_plain_orbax_save_over_state", "peak_rss_restore_over_state"),
         columns=(2,)),
     "compile_bench": Smallest(("--models=mlp", "--samples=1"), rows=("mlp",), columns=(7, 8, 9, 10)),
+    "data_identity_bench": Smallest(
+        ("--size_mib=2", "--shard_mib=1", "--repeats=1", "--cheap_samples=1"),
+        rows=("ratio: stat / plain", "ratio: full / plain", "ratio: full, cold / plain", "full: GiB/s hashed",
+              "full, cold: GiB/s hashed")),
     "goodput_bench": Smallest(
         ("--steps=10", "--save_every_steps=5", "--preemptions=1", "--rounds=1", "--hidden_dim=16", "--batch_size=8",
          "--settle_secs=0"),
@@ -75,7 +79,7 @@ BENCHMARKS = {
 
 # Modules of benchmarks/ that are not benchmarks -> the benchmarks that run or import them.
 HELPERS = {
-    "common": ("checkpoint_bench", "compile_bench", "goodput_bench", "input_bench", "scale_sim"),
+    "common": ("checkpoint_bench", "compile_bench", "data_identity_bench", "goodput_bench", "input_bench", "scale_sim"),
     "checkpoint_child": ("checkpoint_bench",),
     "goodput_events": ("goodput_bench",),
     "goodput_report": ("goodput_bench",),

@@ -1,5 +1,6 @@
 """File-backed input: the position is the step, on real ArrayRecord files read through Grain."""
 
+import hashlib
 import os
 
 import jax
@@ -189,10 +190,26 @@ def folder_bytes(folder: str) -> dict[str, bytes]:
     return out
 
 
+def without_mtimes(metadata: dict) -> dict:
+    """metadata.json but each shard's mtime_ns: a fact of this copy of the files, not of their content."""
+    def shards_of(split: dict) -> list[dict]:
+        return [{k: v for k, v in shard.items() if k != "mtime_ns"} for shard in split["shards"]]
+
+    splits = {name: {**split, "shards": shards_of(split)} for name, split in metadata["splits"].items()}
+    return {**metadata, "splits": splits}
+
+
 def test_prepare_is_deterministic_and_splits_train_from_eval_by_file(tmp_path):
     first, second = stdlib_corpus(tmp_path, "a"), stdlib_corpus(tmp_path, "b")
-    assert first == second
-    assert folder_bytes(str(tmp_path / "a")) == folder_bytes(str(tmp_path / "b"))
+    assert without_mtimes(first) == without_mtimes(second)
+    shard_bytes = [{k: v for k, v in folder_bytes(str(tmp_path / name)).items() if k != "metadata.json"}
+                   for name in ("a", "b")]
+    assert shard_bytes[0] == shard_bytes[1]
+    for split in first["splits"].values():  # each shard's recorded facts are those of its bytes on disk
+        for shard in split["shards"]:
+            path = os.path.join(tmp_path, "a", shard["name"])
+            assert shard["sha256"] == hashlib.sha256(shard_bytes[0][shard["name"]]).hexdigest()
+            assert (shard["size"], shard["mtime_ns"]) == (os.stat(path).st_size, os.stat(path).st_mtime_ns)
     assert first["vocab_size"] == 257 and first["tokens_per_record"] == 33
     assert first["splits"]["eval"]["source_files"] == 3 and first["splits"]["train"]["source_files"] == 9
     for split in ("train", "eval"):

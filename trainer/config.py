@@ -48,6 +48,12 @@ class TrainConfig:
     eval_every_steps: int = option(0, "Eval loss over --eval_batches of --eval_data every this many steps; 0: off.",
                                    minimum=0)
     eval_batches: int = option(4, "Eval batches: steps 0..k-1 of --eval_data in its own fixed order.", minimum=1)
+    check_data: str = option("stat", "How a start-up takes the record files' content digests (sha256): stat "
+                                     "(hash a file only where its size or mtime differs from prepare's "
+                                     "metadata.json or this host's digest cache) or full (hash every file).")
+    accept_data_change: bool = option(False, "Resume although the record files differ from the newest "
+                                             "checkpoint's (their content, sizes or files); the manifests record "
+                                             "the change. Else such a resume exits 2.")
     # --- the optimizer and the model's own fields (issue 19) ---
     optimizer: str = option("adam", "adam or adamw (decoupled --weight_decay); a spec's make_optimizer replaces it.")
     weight_decay: float = option(0.0, "adamw: decoupled weight decay (0 off).", minimum=0.0)

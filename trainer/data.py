@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from trainer.config import TrainConfig
@@ -59,6 +60,8 @@ SYNTHETIC = "synthetic"
 IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY = "data_identity", "eval_data_identity", "data_digest"
 EVAL_DIGEST_KEY = "eval_data_digest"
 RECORDED_KEYS = (IDENTITY_KEY, EVAL_IDENTITY_KEY, DIGEST_KEY, EVAL_DIGEST_KEY)
+CHECK_DATA = ("stat", "full")  # trainer/input/digests.py's CHECKS, here so a synthetic run imports no Grain
+ACCEPT_HINT = "; to train on the changed files anyway, resume with --accept_data_change (the manifests record it)"
 
 
 @dataclasses.dataclass
@@ -67,16 +70,32 @@ class Inputs:
 
     batches: Any = None  # a trainer.input.RecordBatches for --data=records:..., None: synthetic
     eval_batches: Any = None  # the same over --eval_data, or None
+    # Set by a resume's check (check_resumed): the run's fixed digests, kept from its newest manifest (they
+    # differ from the files' own digests after an accepted change, or for a run begun before content
+    # digests), and each split's accepted change, recorded in its identity.
+    carried: dict = dataclasses.field(default_factory=dict)
+    accepted: dict = dataclasses.field(default_factory=dict)
+    notes: list = dataclasses.field(default_factory=list)  # (level, line): logged once the run is admitted
+
+    def identity(self, key: str) -> dict | None:
+        """The identity of the split `key` names (IDENTITY_KEY or EVAL_IDENTITY_KEY), None if there is none."""
+        batches = self.batches if key == IDENTITY_KEY else self.eval_batches
+        if batches is None:
+            return None
+        identity = batches.dataset.identity()
+        return {**identity, "accepted_change": self.accepted[key]} if key in self.accepted else identity
 
     def recorded(self) -> dict:
         """The config entries every manifest records ({} for synthetic data)."""
         if self.batches is None:
             return {}
-        identity = self.batches.dataset.identity()
-        recorded = {IDENTITY_KEY: identity, DIGEST_KEY: identity["digest"], EVAL_IDENTITY_KEY: None}
+        identity = self.identity(IDENTITY_KEY)
+        recorded = {IDENTITY_KEY: identity, DIGEST_KEY: self.carried.get(DIGEST_KEY, identity["digest"]),
+                    EVAL_IDENTITY_KEY: None}
         if self.eval_batches is not None:
-            eval_identity = self.eval_batches.dataset.identity()
-            recorded.update({EVAL_IDENTITY_KEY: eval_identity, EVAL_DIGEST_KEY: eval_identity["digest"]})
+            eval_identity = self.identity(EVAL_IDENTITY_KEY)
+            recorded.update({EVAL_IDENTITY_KEY: eval_identity,
+                             EVAL_DIGEST_KEY: self.carried.get(EVAL_DIGEST_KEY, eval_identity["digest"])})
         return recorded
 
     def fixed_names(self) -> tuple[str, ...]:
@@ -86,6 +105,20 @@ class Inputs:
         return ((DIGEST_KEY,) if recorded else ()) + ((EVAL_DIGEST_KEY, "eval_batches")
                                                       if recorded.get(EVAL_DIGEST_KEY) else ())
 
+    def log_admitted(self) -> None:
+        """Where each split's content digests came from (every process hashes its own), and what a
+        resume's check noted: logged once the run is admitted, so a refused run prints one line."""
+        for label, batches in (("--data", self.batches), ("--eval_data", self.eval_batches)):
+            if batches is not None:
+                tally, files = batches.dataset.digest_tally, len(batches.dataset.files)
+                logging.info("%s content (sha256) of %d files: %s (process %d)", label, files, tally.describe(),
+                             jax.process_index())
+                for note in tally.notes:
+                    logging.warning("%s: %s", label, note)
+        if jax.process_index() == 0:
+            for level, line in self.notes:
+                logging.log(level, "%s", line)
+
     def close(self) -> None:
         for batches in (self.batches, self.eval_batches):
             if batches is not None:
@@ -94,6 +127,10 @@ class Inputs:
 
 def open_inputs(spec: ModelSpec, config: TrainConfig, mesh: Mesh) -> Inputs:
     """Opens the record files the config names; a DataError (one line, exit 2) names a bad flag or file."""
+    if config.check_data not in CHECK_DATA:
+        from trainer.config import ConfigError
+
+        raise ConfigError(f"--check_data={config.check_data}: expected {' or '.join(CHECK_DATA)}")
     if config.data == SYNTHETIC and not (config.eval_data or config.eval_every_steps):
         return Inputs()  # nothing to open, nor to import: Grain's import costs a restart 0.1-0.2 s
     from trainer import input as data_input
@@ -109,7 +146,8 @@ def open_inputs(spec: ModelSpec, config: TrainConfig, mesh: Mesh) -> Inputs:
         value = getattr(config, name)
         if value and value != SYNTHETIC:
             batches = data_input.record_batches(value, config.seed, config.batch_size, batch_sharding(mesh),
-                                                seq_len=config.seq_len, vocab_size=config.vocab_size)
+                                                seq_len=config.seq_len, vocab_size=config.vocab_size,
+                                                check_data=config.check_data)
             setattr(inputs, "batches" if name == "data" else "eval_batches", batches)
             _check_model_reads(spec, config, batches, value)
     return inputs
@@ -135,33 +173,58 @@ def abstract_batch(batch_fn, sharding: NamedSharding):
 
 def check_recorded(recorded: dict, inputs: Inputs, where: str) -> None:
     """Refuses (DatasetChangedError naming the field or file) data other than a manifest's config recorded."""
-    before = recorded.get(IDENTITY_KEY)
-    now = inputs.batches.dataset.identity() if inputs.batches is not None else None
-    if before is None and now is None:
-        return
+    before, now = recorded.get(IDENTITY_KEY), inputs.identity(IDENTITY_KEY)
+    _check_kind(f"data ({where})", before, now, absent=SYNTHETIC)
+    if before is not None:
+        _check_split(before, now, "")
+
+
+def check_resumed(recorded: dict, inputs: Inputs, config: TrainConfig, step: int) -> None:
+    """A resume's files against the `recorded` config of the newest manifest (`step`'s): DatasetChangedError
+    (one line, exit 2) names the first field or file that differs, unless --accept_data_change accepts a
+    change of a split's files, which `inputs` then records in that split's identity. Records against
+    synthetic data, an eval split against none, and --eval_batches change fixed fields: never accepted.
+    `inputs` keeps the run's fixed digests (the newest manifest's)."""
+    where = f"step {step}"
+    _check_kind(f"data ({where})", recorded.get(IDENTITY_KEY), inputs.identity(IDENTITY_KEY), absent=SYNTHETIC)
+    _check_kind(f"--eval_data ({where})", recorded.get(EVAL_IDENTITY_KEY), inputs.identity(EVAL_IDENTITY_KEY),
+                absent="none")
+    from trainer.input import DatasetChangedError, has_content
+
+    if recorded.get(EVAL_IDENTITY_KEY) is not None and recorded.get("eval_batches") != config.eval_batches:
+        raise DatasetChangedError(f"--eval_batches ({where})", recorded.get("eval_batches"), config.eval_batches)
+    for key, digest_key, label in ((IDENTITY_KEY, DIGEST_KEY, ""), (EVAL_IDENTITY_KEY, EVAL_DIGEST_KEY, "--eval_data")):
+        before = recorded.get(key)
+        if before is None:
+            continue
+        try:
+            _check_split(before, inputs.identity(key), label)
+        except DatasetChangedError as err:
+            if not config.accept_data_change:
+                raise err.derived(hint=ACCEPT_HINT) from None
+            inputs.accepted[key] = {"step": step, "digest": before["digest"], "change": err.what}
+            inputs.notes.append((logging.WARNING, f"--accept_data_change: {err.what} since step {step}; training "
+                                                  f"on it, recorded as {key}.accepted_change in this attempt's "
+                                                  "manifests"))
+        if not has_content(before):
+            inputs.notes.append((logging.INFO, f"{label or '--data'}: step {step}'s manifest names the files by "
+                                               "name, size, record count and edge records only (it predates "
+                                               "content digests); from now on every manifest records each file's "
+                                               "sha256"))
+        inputs.carried[digest_key] = recorded.get(digest_key, before["digest"])
+
+
+def _check_kind(field: str, before: dict | None, now: dict | None, *, absent: str) -> None:
+    if (before is None) != (now is None):
+        from trainer.input import DatasetChangedError
+
+        raise DatasetChangedError(field, "records" if before else absent, "records" if now else absent)
+
+
+def _check_split(before: dict, now: dict, label: str) -> None:
     from trainer.input import DatasetChangedError, check_same
 
-    if before is None or now is None:
-        raise DatasetChangedError(f"data ({where})", "records" if before else SYNTHETIC,
-                                  "records" if now else SYNTHETIC)
-    check_same(before, now)
-
-
-def check_recorded_eval(recorded: dict, inputs: Inputs, eval_batches: int, where: str) -> None:
-    """Refuses (DatasetChangedError naming --eval_data or --eval_batches and what differs) an eval split
-    other than the one a manifest's config recorded: the eval losses of one run stay comparable."""
-    before = recorded.get(EVAL_IDENTITY_KEY)
-    now = inputs.eval_batches.dataset.identity() if inputs.eval_batches is not None else None
-    if before is None and now is None:
-        return
-    from trainer.input import DatasetChangedError, check_same
-
-    if before is None or now is None:
-        raise DatasetChangedError(f"--eval_data ({where})", "records" if before else "none",
-                                  "records" if now else "none")
     try:
         check_same(before, now)
     except DatasetChangedError as err:
-        raise DatasetChangedError(f"--eval_data: {err.field}", err.recorded, err.current) from None
-    if recorded.get("eval_batches") != eval_batches:
-        raise DatasetChangedError(f"--eval_batches ({where})", recorded.get("eval_batches"), eval_batches)
+        raise (err.derived(label=label) if label else err) from None

@@ -145,7 +145,8 @@ def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = Non
 
 def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
     """A resume reads the files its checkpoints were trained and evaluated on: DatasetChangedError (exit 2,
-    one line, nothing written) names the first field or file that differs from the newest readable manifest's."""
+    one line, nothing written) names the first field or file that differs from the newest readable manifest's
+    (their content included), unless --accept_data_change accepts it (data.check_resumed)."""
     if config.checkpoint.resume_from == "none":
         return
     for step in reversed(committed_steps(config.workdir)):
@@ -153,8 +154,7 @@ def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
             manifest = read_manifest(config.workdir, step)
         except Exception:  # an unreadable manifest is the restore's to handle (it falls back past it)
             continue
-        data.check_recorded(manifest.get("config", {}), inputs, f"step {step}")
-        data.check_recorded_eval(manifest.get("config", {}), inputs, config.eval_batches, f"step {step}")
+        data.check_resumed(manifest.get("config", {}), inputs, config, step)
         return
 
 
@@ -213,6 +213,7 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
             for name, secs in (startup_phases or {}).items():
                 log_phase(name, secs)
+            inputs.log_admitted()
             changed = checkpointer.run.config[CODE_FIELD].get("changed_from")
             if changed and jax.process_index() == 0:  # recorded in every manifest of this attempt
                 logging.warning("code changed since the newest checkpoint: %s", "; ".join(changed))

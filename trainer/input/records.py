@@ -6,9 +6,12 @@ of its file. Every record holds the same number of int32 tokens (trainer/prepare
 
 The identity (`RecordDataset.identity`) is what a manifest records and a resume must not change:
 the files by name relative to the glob's directory, their sizes and record counts, a hash of each
-file's first and last records, a digest of all that, and the shuffle seed. `check_same` refuses a
-different one by name. ArrayRecord reports a damaged file as a RuntimeError (on open, or on the
-read that reaches the damage); every one is converted here to a RecordFileError naming the file.
+file's first and last records, the sha256 of each file's bytes (trainer/input/digests.py: taken
+from prepare's metadata or a cache where the file's size and mtime vouch for it, else hashed), a
+digest of all that, and the shuffle seed. `check_same` refuses a different one by name; an
+identity recorded before content digests (no sha256) is compared without them. ArrayRecord
+reports a damaged file as a RuntimeError (on open, or on the read that reaches the damage); every
+one is converted here to a RecordFileError naming the file.
 """
 
 import bisect
@@ -22,8 +25,10 @@ import grain
 import numpy as np
 from array_record.python import array_record_module
 
+from trainer.input import digests as digests_lib
 from trainer.input import order as order_lib
-from trainer.input.errors import DataError, DatasetChangedError, NoRecordFilesError, RecordFileError
+from trainer.input.errors import (ContentChangedError, DataError, DatasetChangedError, NoRecordFilesError,
+                                  RecordFileError)
 
 PREFIX = "records:"
 METADATA = "metadata.json"  # written by trainer/prepare.py next to the shards
@@ -77,7 +82,7 @@ def _first_line(err: BaseException) -> str:
 class RecordDataset:
     """The records of a glob, read by global index (Grain's ArrayRecordDataSource), in the order of a seed."""
 
-    def __init__(self, pattern: str, seed: int):
+    def __init__(self, pattern: str, seed: int, check_data: str = digests_lib.STAT):
         self.pattern, self.seed = pattern, int(seed)
         self.paths = sorted(glob.glob(pattern))
         if not self.paths:
@@ -91,6 +96,10 @@ class RecordDataset:
                                   f"records of {odd['record_bytes']} bytes, the first file's are "
                                   f"{self.files[0]['record_bytes']}")
         self.record_bytes = sizes.pop()
+        shas, self.digest_tally = digests_lib.content_digests(self.paths, [f["name"] for f in self.files],
+                                                              self.metadata(), check_data)
+        for facts, sha in zip(self.files, shas):
+            facts["sha256"] = sha
         self.record_shape = (self.record_bytes // TOKEN_DTYPE.itemsize,)
         self._ends = list(np.cumsum([f["records"] for f in self.files]).tolist())
         self.num_records = self._ends[-1]
@@ -105,12 +114,15 @@ class RecordDataset:
         self.records_read = 0  # by this process: the test of "each process reads only its own rows"
 
     def metadata(self) -> dict | None:
-        """prepare's metadata.json next to the files (vocab size, tokenizer...), or None."""
+        """prepare's metadata.json next to the files (vocab size, tokenizer, shard digests...), or None."""
         path = os.path.join(self.root, METADATA)
-        if not os.path.exists(path):
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
             return None
-        with open(path) as f:
-            return json.load(f)
+        except (OSError, ValueError) as err:
+            raise RecordFileError(path, f"unreadable: {_first_line(err)}") from None
 
     def rows_of_step(self, step: int, batch_size: int) -> np.ndarray:
         """Global record indices of the batch of `step` (see trainer/input/order.py)."""
@@ -147,19 +159,30 @@ class RecordDataset:
 
     def identity(self) -> dict:
         """What a manifest records and a resume must not change."""
-        files = [{key: f[key] for key in ("name", "size", "records", "edges")} for f in self.files]
-        digest = hashlib.sha256(json.dumps([files, self.record_bytes], sort_keys=True).encode()).hexdigest()
+        files = [{key: f[key] for key in ("name", "size", "records", "edges", "sha256")} for f in self.files]
         return {"files": files, "record_bytes": self.record_bytes, "num_records": self.num_records,
-                "digest": digest, "seed": self.seed}
+                "digest": digest_of(files, self.record_bytes), "seed": self.seed}
 
 
-def open_records(value: str, seed: int) -> RecordDataset:
+def digest_of(files: list[dict], record_bytes: int) -> str:
+    """The identity's digest: of every file's facts (their sha256 included, where recorded) and the record size."""
+    return hashlib.sha256(json.dumps([files, record_bytes], sort_keys=True).encode()).hexdigest()
+
+
+def has_content(identity: dict) -> bool:
+    """Whether an identity records its files' content (one written before content digests does not)."""
+    return bool(identity.get("files")) and all("sha256" in f for f in identity["files"])
+
+
+def open_records(value: str, seed: int, check_data: str = digests_lib.STAT) -> RecordDataset:
     """The dataset of a `records:<glob>` flag value (one-line typed errors, exit 2 at start-up)."""
-    return RecordDataset(parse_flag(value), seed)
+    return RecordDataset(parse_flag(value), seed, check_data)
 
 
 def check_same(recorded: dict, current: dict) -> None:
-    """Raises DatasetChangedError naming the first field or file that differs."""
+    """Raises DatasetChangedError naming the first field or file that differs. An identity recorded
+    before content digests has no sha256: a missing field is not a change, and its digest is compared
+    with the current one's taken the same way (without them)."""
     if recorded.get("seed") != current.get("seed"):
         raise DatasetChangedError("seed", recorded.get("seed"), current.get("seed"))
     before = {f["name"]: f for f in recorded.get("files", [])}
@@ -172,9 +195,14 @@ def check_same(recorded: dict, current: dict) -> None:
         for key in ("size", "records", "edges"):
             if before[name].get(key) != now[name].get(key):
                 raise DatasetChangedError(f"file {name}: {key}", before[name].get(key), now[name].get(key))
+        if "sha256" in before[name] and before[name]["sha256"] != now[name].get("sha256"):
+            raise ContentChangedError(name, before[name]["sha256"], now[name].get("sha256"))
     if [f["name"] for f in recorded.get("files", [])] != [f["name"] for f in current.get("files", [])]:
         raise DatasetChangedError("file order", [f["name"] for f in recorded["files"]],
                                   [f["name"] for f in current["files"]])
+    if not has_content(recorded):
+        current = {**current, "digest": digest_of([{k: v for k, v in f.items() if k != "sha256"}
+                                                   for f in current.get("files", [])], current.get("record_bytes"))}
     for key in ("record_bytes", "num_records", "digest"):
         if recorded.get(key) != current.get(key):
             raise DatasetChangedError(key, recorded.get(key), current.get(key))

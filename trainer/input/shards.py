@@ -4,6 +4,8 @@ Each record is seq_len + 1 int32 tokens (little-endian): the model reads tokens[
 tokens[1:], so a record feeds one example of the trainer's --seq_len. A split's token stream is cut
 into consecutive non-overlapping records; the tail shorter than a record is dropped. Shards are
 `<split>-00000-of-0000N.array_record`, `group_size:1` (Grain reads single records fast).
+metadata.json lists each split's shards with their record counts and content facts (size, mtime_ns,
+sha256 of the bytes): the trainer trusts a shard's recorded digest while its size and mtime are these.
 
 Nothing is written on bad input: everything is computed and checked first, then written into a
 temporary folder next to --out_dir that is renamed onto it, so --out_dir holds all or nothing.
@@ -20,6 +22,7 @@ from absl import logging
 from array_record.python import array_record_module
 
 from trainer.input import corpus as corpus_lib
+from trainer.input import digests
 from trainer.input.errors import CorpusError
 from trainer.input.records import METADATA, TOKEN_DTYPE
 
@@ -38,19 +41,22 @@ def shard_names(split: str, count: int) -> list[str]:
     return [f"{split}-{i:05d}-of-{count:05d}.array_record" for i in range(count)]
 
 
+def write_shard(path: str, rows: np.ndarray) -> dict:
+    """Writes one shard; returns its record count and what prepare records of its content (size,
+    mtime_ns, sha256: trainer/input/digests.py), which lets a start-up trust the shard without reading it."""
+    writer = array_record_module.ArrayRecordWriter(path, WRITER_OPTIONS)
+    try:
+        for row in rows:
+            writer.write(row.tobytes())
+    finally:
+        writer.close()
+    return {"name": os.path.basename(path), "records": len(rows), **digests.shard_facts(path)}
+
+
 def write_split(folder: str, split: str, records: np.ndarray, records_per_shard: int) -> list[dict]:
     count = max(1, math.ceil(len(records) / records_per_shard))
-    written = []
-    for i, name in enumerate(shard_names(split, count)):
-        chunk = records[i * records_per_shard:(i + 1) * records_per_shard]
-        writer = array_record_module.ArrayRecordWriter(os.path.join(folder, name), WRITER_OPTIONS)
-        try:
-            for row in chunk:
-                writer.write(row.tobytes())
-        finally:
-            writer.close()
-        written.append({"name": name, "records": len(chunk)})
-    return written
+    return [write_shard(os.path.join(folder, name), records[i * records_per_shard:(i + 1) * records_per_shard])
+            for i, name in enumerate(shard_names(split, count))]
 
 
 def prepare(corpus_dir: str, out_dir: str, seq_len: int, *, tokenizer: str = "bytes", vocab_size: int = 1024,
