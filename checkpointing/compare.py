@@ -65,6 +65,47 @@ def compare_losses(actual: dict[int, float], expected: dict[int, float], rtol: f
     return None, largest
 
 
+def largest_relative_difference(actual: dict[int, float], expected: dict[int, float]) -> float:
+    """The largest relative difference over the steps `expected` records (NaN once any is NaN)."""
+    largest = 0.0
+    for step in expected:
+        difference = relative_difference(actual.get(step, math.nan), expected[step])
+        if not math.isnan(largest) and not difference <= largest:
+            largest = difference
+    return largest
+
+
+@jax.jit
+def _unequal(actual, expected):
+    """Per leaf: whether any element's bits differ (so -0.0 and 0.0 differ, and a NaN never equals)."""
+
+    def one(a, e):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, e = jax.random.key_data(a), jax.random.key_data(e)
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(a.dtype).itemsize]
+        if a.dtype == jnp.bool_:
+            return jnp.any(a != e)
+        bits_a, bits_e = (jax.lax.bitcast_convert_type(x, unsigned) for x in (a, e))
+        nan = jnp.isnan(a) | jnp.isnan(e) if jnp.issubdtype(a.dtype, jnp.inexact) else False
+        return jnp.any((bits_a != bits_e) | nan)
+
+    return jax.tree.map(one, actual, expected)
+
+
+def first_unequal_leaf(actual, expected) -> Mismatch | None:
+    """The first leaf (in key-path order) of `actual` whose values are not bit for bit those of `expected`
+    (both on the same shardings), as a Mismatch naming how many leaves differ; None when all are equal.
+    A bit-exact proof compares the values themselves, not a hash of them."""
+    flat = jax.tree_util.tree_flatten_with_path(_unequal(actual, expected))[0]
+    flags = jax.device_get([flag for _, flag in flat])
+    differing = sorted(jax.tree_util.keystr(path) for (path, _), flag in zip(flat, flags) if flag)
+    if not differing:
+        return None
+    return Mismatch("leaf", differing[0], None, None,
+                    f"leaf {differing[0]} differs from the checkpoint, bit for bit ({len(differing)} leaf(s) differ: "
+                    f"{', '.join(differing[:5])}{', ...' if len(differing) > 5 else ''})")
+
+
 def norm(x: jax.Array) -> jax.Array:
     """The L2 norm of all of `x`, scaled by its largest magnitude first: the squares of a leaf of values
     near 1e-20 (an Adam second moment of a zero-gradient bias) underflow float32, and the plain norm

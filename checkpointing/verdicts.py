@@ -37,6 +37,9 @@ Fields:
   manifest_digest          the digest of the manifest proved (a verdict belongs to one save)
   checkpoint_mesh, verifier_mesh   {"axis": size}
   durations_secs           {"restore": float, "replay": float, ...}
+  evidence                 across layouts (verifier/evidence.py): {"ratio": the largest distance / measured
+                           noise (of the evidence, for a failure), "margin", "deciding": quantities that could
+                           decide, "chaotic": leaves that could not}; absent where the proof was bit-exact
   verified_at              ISO-8601 UTC
 """
 
@@ -65,7 +68,7 @@ _REQUIRED = {
 def make(*, step: int, level: str, status: str, detail: str, checkpoint_mesh: dict, verifier_mesh: dict,
          durations_secs: dict, complete: bool = True, mismatch: dict | None = None,
          max_relative_difference: float | None = None, replayed_from: int | None = None, replayed_steps: int = 0,
-         compared_losses: int = 0, manifest_digest: str | None = None) -> dict:
+         compared_losses: int = 0, manifest_digest: str | None = None, evidence: dict | None = None) -> dict:
     verdict = {
         "step": step, "level": level, "status": status, "complete": complete, "detail": detail,
         "mismatch": mismatch, "max_relative_difference": max_relative_difference,
@@ -74,6 +77,8 @@ def make(*, step: int, level: str, status: str, detail: str, checkpoint_mesh: di
         "durations_secs": {k: round(v, 4) for k, v in durations_secs.items()},
         "verified_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if evidence is not None:
+        verdict["evidence"] = evidence
     return validate(verdict)
 
 

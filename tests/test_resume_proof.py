@@ -15,6 +15,7 @@ from tests import helpers
 from tests.tamper import RUN, WIDE, rewrite_step, zero_adam_moments
 from trainer.program import build_mesh
 from verifier import program as program_lib
+from verifier import layouts
 from verifier import resume_proof
 from verifier.verifier import Verifier, VerifierOptions
 
@@ -38,9 +39,8 @@ def _cheap_proof(config, step, mesh_name, mutate=lambda state: state, replay=pro
     program, state, manifest = _restored(config, step, mesh_name)
     state = mutate(state)
     probe = probes.for_save(config.workdir, step, manifest["digest"])
-    copy = jax.tree.map(jnp.copy, state)
-    return resume_proof.prove(replay, program, state, copy, step, probe, manifest["leaves"],
-                              (dict(program.mesh.shape), jax.process_count()))
+    others = (program_lib.load(manifest, mesh) for mesh in layouts.other_meshes(program.mesh))
+    return resume_proof.prove(replay, program, state, step, probe, manifest, lambda: others, lambda program: None)
 
 
 def test_each_save_has_a_probe_bound_to_it_that_its_replay_reproduces_bit_for_bit(trained_copy):

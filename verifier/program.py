@@ -17,18 +17,18 @@ verifier's own mesh (axes 'data' and 'model'); it returns an object with:
     it replays from;
     when the iterator has `input_states()`, the states it has reached, a reproduced step's must equal
     the ones it saved, so a wrong saved position fails its own step)
-    loss_rtol       largest relative difference of a loss across layouts (measured)
-    state_rtol      the per-leaf state tolerance across layouts (verifier/tolerances.py)
 
-and, optionally: `init_loss_rtol` and `init_state_rtol`, the same two for an interval replayed from
-the init, a full proof's first (it drifts far more: Adam's first update is ~g/|g|; None or absent:
-loss_rtol and state_rtol); `step_fn.with_marks(state, batch, wanted) -> (state, loss, marks)`, the
-same step computing the save marks of its output (checkpointing.step_marks), which the cheap proof
-uses when the trainer's probe summaries came from its step; and `code`: the identity of the code it
-replays with (for the trainer: version, spec module and source hash, git commit; trainer/code.py),
-compared with the `config["code"]` each manifest recorded: a step computed by other code is never
-called reproduced (code_change below). The verifier's --tolerances replaces the four rtols
-(with_tolerances below). trainer.program.Program is one; examples/own_loop.py builds its own.
+and, optionally: `loss_rtol` and `state_rtol`, relative bounds across layouts that act as floors under
+the noise the verifier measures (verifier/evidence.py; none needed), and `init_loss_rtol` and
+`init_state_rtol`, the same for an interval replayed from the init; `step_fn.with_marks(state, batch,
+wanted) -> (state, loss, marks)`, the same step computing the save marks of its output
+(checkpointing.step_marks), which the cheap proof uses when the trainer's probe summaries came from its
+step; and `code`: the identity of the code it replays with (for the trainer: version, spec module and
+source hash, git commit; trainer/code.py), compared with the `config["code"]` each manifest recorded: a
+step computed by other code is never called reproduced (code_change below). The verifier's --tolerances
+replaces the four rtols (with_tolerances below). The verifier builds the program on its own mesh and on
+its other layouts (verifier/layouts.py). trainer.program.Program is one; examples/own_loop.py builds its
+own.
 Manifests from before the field was recorded name the trainer's.
 """
 
@@ -43,7 +43,7 @@ from checkpointing.input_state import read_input_states
 from runtime.dispatch import blocks_each_step
 
 TRAINER_PROGRAM = "trainer.program:replay_program"
-REQUIRED = ("mesh", "abstract_state", "state_shardings", "init_fn", "step_fn", "loss_rtol", "state_rtol")
+REQUIRED = ("mesh", "abstract_state", "state_shardings", "init_fn", "step_fn")
 INPUTS = ("batch_fn", "batches_from")  # one of them: the batches as a function of the step, or of saved states
 
 
@@ -84,6 +84,16 @@ class _Retoleranced:
         if name == "_program":  # not yet set (a copy): no recursion
             raise AttributeError(name)
         return getattr(self._program, name)
+
+
+def floors(program, from_init: bool) -> tuple[float, float]:
+    """(loss, state) relative bounds the program declares, as floors under the measured noise
+    (verifier/evidence.py; 0: none). From the init, its init_* pair where it has one."""
+    loss, state = getattr(program, "loss_rtol", None) or 0.0, getattr(program, "state_rtol", None) or 0.0
+    if from_init:
+        loss = getattr(program, "init_loss_rtol", None) or loss
+        state = getattr(program, "init_state_rtol", None) or state
+    return float(loss), float(state)
 
 
 def with_tolerances(program, measured):

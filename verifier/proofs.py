@@ -39,6 +39,7 @@ from checkpointing.workdir import committed_steps, read_manifest
 from trainer.config import MESH_AXES
 from runtime import collective
 from verifier import identity
+from verifier import layouts
 from verifier import program as program_lib
 from verifier import resume_proof
 from verifier import tolerances as tolerances_lib
@@ -80,7 +81,6 @@ class StepProofs(ChainProofs):
         self._service = CheckpointService(options.workdir, read_only=True)
         self._anchor: Anchor | None = None  # the newest step this process proved
         self._budget = ProofBudget(options.verify_budget)
-        self._copies: dict[str, object] = {}  # fixed_hash -> jitted copy onto the state shardings
         self._mesh = None
         self._run: dict | None = None  # the manifest naming the run (verifier/identity.py)
 
@@ -99,16 +99,27 @@ class StepProofs(ChainProofs):
             self._run = identity.run_manifest(self.options.workdir, committed_steps(self.options.workdir))
         return self._run
 
-    def _program_for(self, manifest: dict):
-        key = (manifest.get("program"), manifest["fixed_hash"])
+    def _program_for(self, manifest: dict, mesh=None):
+        """The run's replay program on the verifier's mesh, or on `mesh` (one of its other layouts)."""
+        mesh = mesh or self.mesh()
+        key = (manifest.get("program"), manifest["fixed_hash"], tuple(mesh.shape.items()))
         if key not in self._programs:
             measured = self.options.tolerances
             differing = measured.differences(manifest.get("config") or {}) if measured is not None else []
-            if differing:  # the user's choice stands; a mismatch is worth a line, not a refusal
+            if differing and mesh is self.mesh():  # the user's choice stands; a mismatch is worth a line
                 logging.warning("--tolerances=%s was measured for another config than this run's (%s differ)",
                                 measured.path, ", ".join(differing))
-            self._programs[key] = program_lib.with_tolerances(program_lib.load(manifest, self.mesh()), measured)
+            self._programs[key] = program_lib.with_tolerances(program_lib.load(manifest, mesh), measured)
         return self._programs[key]
+
+    def _other_programs(self, manifest: dict):
+        """The run's program on each other layout of the verifier's devices it can be built on
+        (verifier/layouts.py), lazily: a proof asks for a second, and a third only to confirm evidence."""
+        for mesh in layouts.other_meshes(self.mesh()):
+            try:
+                yield self._program_for(manifest, mesh)
+            except program_lib.ProgramError as err:  # that layout does not suit the run (a batch it cannot split)
+                logging.vlog(1, "no replay on %s: %s", dict(mesh.shape), err)
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -162,34 +173,33 @@ class StepProofs(ChainProofs):
         resume = None
         if probe is not None:
             started = time.perf_counter()
-            resume = resume_proof.prove(self._replay, held.program, held.state,
-                                        self._copy(held.state, manifest["fixed_hash"], held.program), step, probe,
-                                        manifest["leaves"], (dict(held.program.mesh.shape), jax.process_count()),
-                                        program_lib.batches_at(held.program, held.input_states, held.input_states))
+            resume = resume_proof.prove(
+                self._replay, held.program, held.state, step, probe, manifest, lambda: self._other_programs(manifest),
+                lambda program: program_lib.batches_at(program, held.input_states, held.input_states))
             held.durations["resume_proof"] = time.perf_counter() - started
         distance = step - self._anchor_step(step, manifest, disk_anchor)
         logging.vlog(1, "step %d: cheap proof %s; full proof over %d steps next unless not due", step,
                      "done" if resume is not None else "not run (no probe)", distance)
         if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None):
-            return self._resume_verdict(step, held, resume, f"; the full proof is not due ({self._budget.describe()})")
-        verdict = self._prove_chain(step, held, self._anchor_for(step, manifest, held.program, disk_anchor))
-        if resume is not None and resume.mismatch is not None and verdict["status"] == "pass":
-            return self._resume_verdict(step, held, resume, "")
-        if resume is not None:
-            verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
+            verdict = self._resume_verdict(step, held, resume,
+                                           f"; the full proof is not due ({self._budget.describe()})")
+        else:
+            verdict = self._prove_chain(step, held, self._anchor_for(step, manifest, held.program, disk_anchor))
+            if resume is not None and resume.status == "fail" and verdict["status"] == "pass":
+                verdict = self._resume_verdict(step, held, resume, "")
+            elif resume is not None and resume.status == "pass":
+                verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
+        if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
+            self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
         return verdict
 
     def _resume_verdict(self, step: int, held: HeldStep, resume, why_only: str) -> dict:
-        """The verdict of the cheap proof alone; a step that passes it anchors the next full proof."""
-        manifest = held.manifest
-        status = "pass" if resume.mismatch is None else "fail"
-        if status == "pass":
-            self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
-        detail = resume.describe() + (why_only if status == "pass" else "")
-        mismatch = None if resume.mismatch is None else resume.mismatch.as_dict()
-        return self._verdict(step, manifest, "resumes", status, detail, held.durations, mismatch=mismatch,
+        """The verdict of the cheap proof alone (a passing one anchors the next full proof)."""
+        detail = resume.describe() + (why_only if resume.status == "pass" else "")
+        return self._verdict(step, held.manifest, "resumes", resume.status, detail, held.durations,
+                             mismatch=resume.mismatch and resume.mismatch.as_mismatch(),
                              max_difference=resume.largest, replayed_from=step, replayed=resume.steps,
-                             compared=resume.compared_losses)
+                             compared=resume.compared_losses, judgement=None if resume.exact else resume.judgement)
 
     def _agreed_probe(self, step: int, manifest: dict) -> dict | None:
         """The save's probe, if process 0 sees one (every process then replays it: one plan)."""
@@ -217,13 +227,14 @@ class StepProofs(ChainProofs):
         return program_lib.replay_losses(program, state, start_step, count, batches)
 
     def _verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
-                 max_difference=None, replayed_from=None, replayed=0, compared=0) -> dict:
+                 max_difference=None, replayed_from=None, replayed=0, compared=0, judgement=None) -> dict:
         return verdicts.make(step=step, level=level, status=status, complete=complete, detail=detail,
                              mismatch=mismatch, checkpoint_mesh=manifest.get("mesh", {}),
                              verifier_mesh=self._mesh_shape(), durations_secs=durations,
                              max_relative_difference=max_difference, replayed_from=replayed_from,
                              replayed_steps=replayed, compared_losses=compared,
-                             manifest_digest=manifest.get("digest"))
+                             manifest_digest=manifest.get("digest"),
+                             evidence=judgement.as_record() if judgement is not None else None)
 
     def _mesh_shape(self) -> dict:
         return dict(self.mesh().shape)

@@ -1,20 +1,11 @@
-"""How closely a replay must reproduce a checkpoint: bit-exact on the layout that recorded it, within
-documented per-leaf tolerances on any other. One owner for that rule.
+"""Declared cross-layout tolerances: what `python -m verifier.calibrate` measures and the rule it measures them
+with. Proofs no longer decide by them (verifier/evidence.py measures the noise of each interval); a program's
+rtols and a calibrate file given with --tolerances are floors under that noise (verifier/program.py floors).
 
-The numbers are the program's own (verifier/program.py: loss_rtol and state_rtol; for the trainer,
-its model spec's cross_mesh_loss_rtol and cross_mesh_state_rtol, trainer/models), or those of a
-calibrate file given to the verifier (--tolerances, `Measured`). An interval replayed from the init
-(a full proof's first) is compared with the program's init_loss_rtol and init_state_rtol where it has
-them (`for_anchor`): Adam's first update is ~g/|g|, so rounding differences in tiny gradients become
-whole-learning-rate steps and the drift from the init is far larger than from a saved step. Per leaf, across
-layouts, ||replayed - saved|| may be at most that state rtol times the larger of ||replayed|| and
-how far the leaf moved during the replay (rounding accumulates with the updates summed, and a moment
-that crossed zero is small but carries the error of its path). The replayed side is the trusted one:
-it came from a proved predecessor. A leaf whose gradient is pure rounding noise (its Adam first
-moment is below NOISE_RATIO of the largest one, e.g. an attention key bias) moves by noise Adam has
-scaled up, so on another layout it may also differ by NOISE_FACTOR times how far it moved during the
-replay. Integer leaves (the step, Adam's count) must be equal. Swapped or zeroed Adam moments change
-the signal leaves by far more than 1e-4 and fail on any layout.
+The rule calibrate measures by (`state_tolerances`): per leaf, ||replayed - saved|| at most the state rtol
+times the larger of ||replayed|| and how far the leaf moved during the replay; a leaf whose Adam first moment
+is below NOISE_RATIO of the largest (rounding noise, an attention key bias) may also differ by NOISE_FACTOR
+times its movement; integer leaves equal.
 """
 
 import dataclasses
@@ -33,46 +24,6 @@ NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device 
 _OPT_PATH = r"opt_state(?:\.\w+|\[\d+\])*?"
 PARAM_LEAF = re.compile(rf"^\.(?:params|{_OPT_PATH}\.(?:mu|nu|acc_grads))(\[.*)$")
 _FIRST_MOMENT = re.compile(rf"^\.{_OPT_PATH}\.mu(\[.*)$")
-
-
-def same_layout(mesh_shape: dict, process_count: int, manifest: dict) -> bool:
-    """Whether numbers recorded under `manifest` are reproducible bit for bit here: the same mesh
-    in the same number of processes (gloo adds cross-process partial sums in another order)."""
-    return dict(mesh_shape) == manifest["mesh"] and process_count == manifest["process_count"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Rtols:
-    """The relative tolerances one replay is compared with across layouts."""
-
-    loss: float
-    state: float  # a float, or a trainer.models.StateTolerance carrying its own noise rule
-    from_init: bool = False  # the program's own pair for an interval from the init, unlike the ordinary one
-
-    def describe(self) -> str:
-        return f"the from-init tolerances: loss rtol {self.loss:.2g}, state rtol {float(self.state):.2g}"
-
-
-def for_anchor(program, from_init: bool) -> Rtols:
-    """The rtols of a replay across layouts from a proved step, or (`from_init`) from the run's init: the
-    program's init_loss_rtol and init_state_rtol then, where it has them (None or absent: the ordinary
-    loss_rtol and state_rtol, so a program without them is compared as before)."""
-    ordinary = Rtols(program.loss_rtol, program.state_rtol)
-    init_loss, init_state = getattr(program, "init_loss_rtol", None), getattr(program, "init_state_rtol", None)
-    if not from_init or (init_loss is None and init_state is None):
-        return ordinary
-    found = Rtols(ordinary.loss if init_loss is None else init_loss,
-                  ordinary.state if init_state is None else init_state, from_init=True)
-    same = (found.loss == ordinary.loss and float(found.state) == float(ordinary.state)
-            and noise_rule(found.state) == noise_rule(ordinary.state))
-    return ordinary if same else found
-
-
-def loss_rtol(program, exact: bool, from_init: bool = False) -> float:
-    """The relative tolerance of a loss-list comparison: 0 (bit-exact) when the numbers were recorded
-    on the same layout, the program's measured bound otherwise (its from-init one for a replay from
-    the init)."""
-    return 0.0 if exact else for_anchor(program, from_init).loss
 
 
 @dataclasses.dataclass(frozen=True)
