@@ -27,8 +27,7 @@ def _noisy_loss(module, params, model_state, batch, rng):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean(), updates
 
 
-_BASE = dict(synthetic_batch=tiny_model.synthetic_batch, init_inputs=lambda batch: batch["inputs"],
-             cross_mesh_loss_rtol=1e-5, cross_mesh_state_rtol=2e-5)
+_BASE = dict(synthetic_batch=tiny_model.synthetic_batch, init_inputs=lambda batch: batch["inputs"])
 
 KEY_IN_STATE = ModelSpec(name="noisy", make_module=lambda config: NoisyClassifier(), loss=_noisy_loss, **_BASE)
 
@@ -36,7 +35,7 @@ KEY_IN_STATE = ModelSpec(name="noisy", make_module=lambda config: NoisyClassifie
 LEGACY_BATCHNORM = ModelSpec(
     name="legacy_bn", make_module=cnn_model.make_module, loss=lambda module, params, batch: jnp.zeros(()),
     synthetic_batch=cnn_model.synthetic_batch, init_inputs=lambda batch: batch["images"],
-    cross_mesh_loss_rtol=1e-4, cross_mesh_state_rtol=1e-4, fields=cnn_model.spec.fields)
+    fields=cnn_model.spec.fields)
 
 OWN_OPTIMIZER = ModelSpec(name="sgd", make_module=lambda config: tiny_model.Classifier(16, 1),
                           loss=tiny_model.loss, make_optimizer=lambda config: optax.sgd(0.05), **_BASE)

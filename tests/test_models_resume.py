@@ -16,9 +16,12 @@ from checkpointing import compare, verdicts
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps, read_manifest
 from tests import helpers
-from trainer import loop, models
+from trainer import loop
 
 CNN = "examples.cnn_model:spec"
+# How far this test lets the resumed loss list drift on another layout: measured over 20 steps (AdamW,
+# warmup-cosine, clipping, accumulation 2) on data=8 and data=2,model=4, within 2.5e-7; ~400x over.
+CNN_LOSS_RTOL = 1e-4
 STEPS = 30
 FLAGS = [f"--model={CNN}", f"--steps={STEPS}", "--save_every_steps=5", "--max_to_keep=100", "--batch_size=32",
          "--log_every_steps=5", "--optimizer=adamw", "--weight_decay=1e-4", "--lr_schedule=warmup_cosine",
@@ -59,7 +62,7 @@ def test_killed_and_resumed_on_another_mesh_within_tolerance_and_verified_on_a_t
     workdir = runs["resumed"]
     resumed, expected = recorded_losses(workdir), recorded_losses(runs["reference"])
     assert list(resumed) == list(expected) == list(range(STEPS))
-    rtol = models.resolve(CNN).cross_mesh_loss_rtol
+    rtol = CNN_LOSS_RTOL
     mismatch, _ = compare.compare_losses(resumed, expected, rtol)
     assert mismatch is None, mismatch.detail
     before = {step: expected[step] for step in range(runs["resumed_from"])}

@@ -33,7 +33,8 @@ from checkpointing import compare
 from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
-from checkpointing.errors import CheckpointError, FingerprintMismatchError, TreeMismatchError
+from checkpointing.errors import (CheckpointError, FingerprintMismatchError, StorageUnavailableError,
+                                  TreeMismatchError)
 from checkpointing.service import CheckpointService
 from checkpointing.workdir import committed_steps, read_manifest
 from trainer.config import MESH_AXES
@@ -184,14 +185,31 @@ class StepProofs(ChainProofs):
             verdict = self._resume_verdict(step, held, resume,
                                            f"; the full proof is not due ({self._budget.describe()})")
         else:
-            verdict = self._prove_chain(step, held, self._anchor_for(step, manifest, held.program, disk_anchor))
-            if resume is not None and resume.status == "fail" and verdict["status"] == "pass":
+            verdict = self._full_proof(step, held, disk_anchor)
+            if resume is not None and resume.status == "fail" and verdict["status"] != "fail":
                 verdict = self._resume_verdict(step, held, resume, "")
+            elif resume is not None and resume.status == "pass" and verdict["status"] == "inconclusive":
+                verdict = self._resume_verdict(step, held, resume, f"; the full proof could not decide: "
+                                                                   f"{verdict['detail']}")
             elif resume is not None and resume.status == "pass":
                 verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
         if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
             self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
         return verdict
+
+    def _full_proof(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict:
+        """The full proof's verdict; inconclusive where it cannot start: the run's start is another run's step
+        (--init_from) that is gone or no longer the save it recorded. Every later step is still proved (from a
+        step the cheap proof passed)."""
+        try:
+            anchor = self._anchor_for(step, held.manifest, held.program, disk_anchor)
+        except StorageUnavailableError:
+            raise  # a fault of the verifier's own reads, not something the checkpoint could answer for
+        except CheckpointError as err:
+            return self._verdict(step, held.manifest, "intact", "inconclusive",
+                                 f"the full proof cannot start from {identity.init_origin(held.manifest)}: {err}",
+                                 held.durations)
+        return self._prove_chain(step, held, anchor)
 
     def _resume_verdict(self, step: int, held: HeldStep, resume, why_only: str) -> dict:
         """The verdict of the cheap proof alone (a passing one anchors the next full proof)."""

@@ -106,10 +106,12 @@ class ModelSpec:
     loss: Callable[[Any, Any, dict], Any]  # (module, params, batch) -> scalar loss of the batch.
     synthetic_batch: Callable[[TrainConfig, Any], dict]  # (config, key) -> {name: global array}.
     init_inputs: Callable[[dict], Any]  # batch -> what module.init is traced with (zeros of its shape).
-    # Largest relative difference per step between two loss lists of the same run on two meshes.
-    cross_mesh_loss_rtol: float
-    # Per leaf: ||replayed - saved|| <= rtol * max(||replayed||, movement) (verifier/tolerances.py).
-    cross_mesh_state_rtol: float
+    # Optional, and floors at most: the verifier measures the noise of a layout change for each interval
+    # (verifier/evidence.py) and fails a step only beyond a margin over it; a declared bound can only loosen that.
+    # The largest relative difference per step between two loss lists of the same run on two meshes (0: none).
+    cross_mesh_loss_rtol: float = 0.0
+    # Per leaf: ||replayed - saved|| <= rtol * max(||replayed||, movement) (verifier/tolerances.py; 0: none).
+    cross_mesh_state_rtol: float = 0.0
     check_config: Callable[[TrainConfig], None] = accept_any_config  # raises ConfigError naming the flag.
     partition: Callable[[tuple[int, ...], int], P] = default_partition  # (shape, model size) -> layout.
     fields: tuple[ModelField, ...] = ()  # the spec's own config fields (flags --<name>)
