@@ -76,6 +76,15 @@ def quiet_library_logs() -> None:
     sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_hook, unraisable_hook
 
 
+def exit_at_once(code: int, line: str) -> None:
+    """`line` last on stderr, then exit `code` at once: no thread is joined, no handler runs."""
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def exit_failure(message: str, error: BaseException | None = None) -> None:
     """The fault's one line (`error: ...`), last on stderr, then exit FAILURE.
 
