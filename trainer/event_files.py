@@ -122,11 +122,12 @@ def prune_resumed(directory: str, resumed_from: int) -> list[str]:
 
 def _replace(path: epath.Path, data: bytes) -> None:
     """Replaces the file whole: on a local disk through a temporary file (no "tfevents" in its name, so
-    TensorBoard never reads it) and a rename; a gs:// object is replaced whole by its upload."""
+    TensorBoard never reads it; one writer per workdir, so one name, which the next prune overwrites if
+    a kill left it) and a rename; a gs:// object is replaced whole by its upload."""
     if str(path).startswith("gs://"):
         path.write_bytes(data)
         return
-    tmp = path.parent / f"pruning-{os.getpid()}.tmp"
+    tmp = path.parent / "pruning.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -144,7 +145,8 @@ class EventWriter:
         self._target = tensorboard_dir(workdir)
         self._remote = workdir.startswith("gs://")
         self._resumed_from = resumed_from
-        self._file = None  # this attempt's event file, unbuffered: flush writes what is pending
+        self._path: str | None = None  # this attempt's event file (on gs://, its local staging copy)
+        self._file = None  # that file, unbuffered: flush writes what is pending
         self._pending: list[bytes] = []
         self._broken = False
         self._uploaded_at = 0.0

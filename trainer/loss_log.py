@@ -1,5 +1,6 @@
 """The loop's losses: kept on device until the log cadence, then pulled in one transfer and appended
-to `metrics.jsonl` (process 0, local workdirs), each line tagged with this attempt's number.
+to `metrics.jsonl` (process 0, local workdirs), each line tagged with this attempt's number, and to
+TensorBoard's event file (trainer/event_files.py) at the same time.
 
 The file's format, and how a run's history is read back across attempts and retention, is
 checkpointing/history.py's (docs/training.md#step-numbering).
