@@ -88,6 +88,7 @@ class Checkpointer:
             self.service = CheckpointService(self.workdir, self.options, run=self.run, protected_steps=self._protected,
                                              preemption_decision=self.preemption.decided, writer_check=check,
                                              data_iterator=data_iterator)
+            self.preemption.reports_committed(self.service.latest_committed_step)  # a second Ctrl-C's line
             if self.options.local_dir:
                 directory = workdir_lib.expand_local_dir(self.options.local_dir, _process_index())
                 local = dataclasses.replace(self.options, max_to_keep=self.options.local_max_to_keep,

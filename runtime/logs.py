@@ -6,6 +6,12 @@ asyncio reports the same exception again when its future is collected ("never re
 TensorStore's completion callbacks print "Event loop is closed" tracebacks once Orbax's loop is
 gone. Here each library record becomes one line (its message and its root cause) and the echoes
 are dropped; our own records and tracebacks are left as they are.
+
+Orbax logs a failure it hands back to its caller in every thread the failure passes through (about
+six records per failed save, each with its exception): the caller (the service, the saver) names
+it in one line of its own, so those records are shown at --v=1 only, as debug lines. So are the
+libraries' INFO records (Orbax's barriers, paths and timings at every save); a library's warnings,
+and its errors without an exception, stay one line each.
 """
 
 import logging as py_logging
@@ -32,22 +38,32 @@ def _one_line(text: str) -> str:
 
 
 class _QuietLibraries(py_logging.Filter):
-    """Drops library records below WARNING (Orbax logs every barrier and path at INFO); the rest one line each."""
+    """Library records one line each: their INFO, and Orbax's failures its caller reports, at --v=1 only."""
 
     def filter(self, record: py_logging.LogRecord) -> bool:
         if not any(lib in record.pathname for lib in _CHATTY_LIBRARIES):
             return True
-        if record.levelno < py_logging.WARNING:
+        verbose = logging.get_verbosity() >= 1  # --v=1
+        if record.levelno < py_logging.INFO or (record.levelno < py_logging.WARNING and not verbose):
             return False
         error = record.exc_info[1] if record.exc_info else None
         message = record.getMessage()
         if any(echo in f"{message} {error}".lower() for echo in _ECHOES):
             return False
+        if _handed_back(record, error):
+            if not verbose:
+                return False
+            record.levelno, record.levelname = py_logging.DEBUG, py_logging.getLevelName(py_logging.DEBUG)
         line = _one_line(message)
         cause = one_line_cause(error) if error is not None else ""
         record.msg, record.args = line + (f" ({cause})" if cause and cause.lower() not in line.lower() else ""), None
         record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
+
+
+def _handed_back(record: py_logging.LogRecord, error: BaseException | None) -> bool:
+    """An Orbax error logged with its exception on the way to the caller, which reports it itself."""
+    return error is not None and "/orbax/" in record.pathname and record.levelno >= py_logging.ERROR
 
 
 def _is_echo(error: BaseException | None) -> bool:
@@ -74,6 +90,15 @@ def quiet_library_logs() -> None:
             hooks[2](args)
 
     sys.excepthook, threading.excepthook, sys.unraisablehook = excepthook, thread_hook, unraisable_hook
+
+
+def exit_at_once(code: int, line: str) -> None:
+    """`line` last on stderr, then exit `code` at once: no thread is joined, no handler runs."""
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def exit_failure(message: str, error: BaseException | None = None) -> None:

@@ -1,15 +1,22 @@
-"""The edges a user hits first (issue 21, sections 5 and 6; docs/faults.md): Ctrl-C is a preemption,
-a SIGTERM before any handler is a pod's preemption, help exits 0, a CPU-only machine is told how to
-fake devices, a read-only file system is named. Real processes, real signals, real mounts.
+"""The edges a user hits first (issue 21, sections 5 and 6; issue 50; docs/faults.md): Ctrl-C is a
+preemption and a second one exits at once, a SIGTERM before any handler is a pod's preemption, help
+exits 0, a CPU-only machine is told how to fake devices, a read-only file system is named. Real
+processes, real signals, real mounts, a really slow disk (strace).
 """
 
+import contextlib
 import errno
 import io
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
 from checkpointing.errors import one_line_cause
@@ -51,6 +58,72 @@ def test_ctrl_c_on_a_plain_trainer_saves_and_exits_75_without_a_traceback(tmp_pa
     newest = committed_steps(workdir)[-1]
     assert newest > max(before) and read_manifest(workdir, newest)["reason"] == "preemption"
     helpers.assert_committed_intact(before, workdir)
+
+
+def trainer_child(pid: int) -> psutil.Process | None:
+    """The trainer among `pid`'s children, once its shell has exec'd it (strace forks probes of its own)."""
+    for child in psutil.Process(pid).children():
+        with contextlib.suppress(psutil.Error):
+            if "trainer.train" in child.cmdline():
+                return child
+    return None
+
+
+@contextlib.contextmanager
+def trainer_on_a_slow_disk(log_path: str, *flags: str):
+    """A trainer whose every rename takes a second (strace delays the syscall: a slow file system, for
+    real), so each commit (three renames: the manifest's, the state's, the step's) stays in flight for
+    seconds. Yields (strace's process, the trainer's pid); both are killed by PID on the way out.
+    (A delay on fsync, which each commit calls for every file, crashed strace 6.1 now and then.)"""
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed (apt-get install strace); CI installs it")
+    # The trainer's output goes to `log_path` by its own shell redirection: strace's own lines stay out of it.
+    command = f"exec {shlex.join([sys.executable, '-m', 'trainer.train', *flags])} >{shlex.quote(log_path)} 2>&1"
+    with open(log_path + ".strace", "w") as own_lines:
+        tracer = subprocess.Popen(
+            ["strace", "-f", "-qq", "-o", os.devnull, "-e", "trace=rename,renameat,renameat2",
+             "-e", "inject=rename,renameat,renameat2:delay_enter=1000000", "/bin/sh", "-c", command],
+            env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT, stdout=own_lines, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        try:
+            wait_for(lambda: tracer.poll() is not None or trainer_child(tracer.pid), 60, "the trainer")
+            yield tracer, trainer_child(tracer.pid).pid
+        finally:
+            for child in (psutil.Process(tracer.pid).children() if tracer.poll() is None else []):
+                child.kill()
+            if tracer.poll() is None:
+                tracer.kill()
+            tracer.wait(timeout=30)
+
+
+def test_a_second_ctrl_c_exits_130_at_once_and_the_save_in_flight_never_commits(tmp_path, workdir, no_job_id):
+    log = str(tmp_path / "train.log")
+    flags = [f"--workdir={workdir}", *helpers.SMALL_FLAGS, "--max_to_keep=100"]
+    with trainer_on_a_slow_disk(log, *flags, "--steps=100000") as (tracer, pid):
+        wait_for(lambda: committed_steps(workdir) if os.path.isdir(workdir) else False, 240, "a first commit")
+        before = helpers.committed_snapshot(workdir)
+        os.kill(pid, signal.SIGINT)
+        handed_off = re.compile(r"checkpoint: step (\d+) \(preemption\) handed off")
+        wait_for(lambda: handed_off.search(open(log).read()), 240, "the preemption save's hand-off")
+        saving = int(handed_off.search(open(log).read())[1])
+        os.kill(pid, signal.SIGINT)  # while that save is written: its commit takes three renames, 1 s each
+        assert tracer.wait(timeout=60) == exit_codes.INTERRUPTED, open(log).read()[-3000:]
+    lines = open(log).read().strip().splitlines()
+    latest = committed_steps(workdir)[-1]
+    assert lines[-1] == (f"error: second interrupt: exiting now without waiting for the checkpoint of step {saving}; "
+                         f"the latest committed step is {latest}"), lines[-5:]
+    assert "Traceback" not in "\n".join(lines), lines[-30:]
+    # It did not wait: the save it was writing never committed, and its temporary directory is still there.
+    assert latest < saving and os.path.isdir(helpers.checkpoint_dir(workdir, f"{saving}.orbax-checkpoint-tmp"))
+    helpers.assert_committed_intact(before, workdir)
+
+    at_exit = helpers.committed_snapshot(workdir)
+    resumed = helpers.run_module("trainer.train", *flags, f"--steps={latest + 5}")
+    assert resumed.returncode == exit_codes.OK, resumed.stderr[-3000:]
+    assert f"resumed from step {latest}" in resumed.stderr, resumed.stderr[-3000:]
+    assert committed_steps(workdir)[-1] == latest + 5
+    assert not os.path.exists(helpers.checkpoint_dir(workdir, f"{saving}.orbax-checkpoint-tmp"))
+    helpers.assert_committed_intact(at_exit, workdir)
 
 
 def test_ctrl_c_during_start_up_is_a_preemption_with_nothing_to_save(tmp_path, workdir, no_job_id):

@@ -1,5 +1,6 @@
 """The loop's losses: kept on device until the log cadence, then pulled in one transfer and appended
-to `metrics.jsonl` (process 0, local workdirs), each line tagged with this attempt's number.
+to `metrics.jsonl` (process 0, local workdirs), each line tagged with this attempt's number, and to
+TensorBoard's event file (trainer/event_files.py) at the same time.
 
 The file's format, and how a run's history is read back across attempts and retention, is
 checkpointing/history.py's (docs/training.md#step-numbering).
@@ -27,7 +28,8 @@ class LossLog:
         self.scalars: dict[int, dict[str, float]] = {}  # the step's grad_norm, param_norm, learning_rate
         primary = jax.process_index() == 0
         self._metrics_path = metrics_file(workdir) if primary and not workdir.startswith("gs://") else None
-        self.metrics = RunMetrics(workdir) if primary else None  # TensorBoard + progress
+        resumed_from = attempt["resumed_from"] if attempt is not None else None
+        self.metrics = RunMetrics(workdir, resumed_from) if primary else None  # TensorBoard + progress
         self.attempt: int | None = None
         if self._metrics_path and attempt is not None:
             self.attempt = last_attempt_id(workdir) + 1
@@ -37,7 +39,8 @@ class LossLog:
         self._pending.append((step, loss, scalars or {}))
 
     def flush(self) -> dict[int, float]:
-        """Pulls pending losses to the host (one sync) and appends them to the metrics file."""
+        """Pulls pending losses to the host (one sync) and appends them to the metrics file and to
+        TensorBoard's events, the two at once (at the log cadence and at a preemption alike)."""
         if not self._pending:
             return {}
         values, scalars = jax.device_get(([loss for _, loss, _ in self._pending], [s for _, _, s in self._pending]))
@@ -47,6 +50,8 @@ class LossLog:
         self.losses.update(fresh)
         self._append([{"step": s, "loss": v, **self.scalars[s], **self._tag()} for s, v in fresh.items()],
                      f"steps {min(fresh)}..{max(fresh)}")
+        if self.metrics is not None:
+            self.metrics.record_losses(fresh, self.scalars)
         return fresh
 
     def record_eval(self, step: int, values: dict[str, float]) -> None:
