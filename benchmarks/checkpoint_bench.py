@@ -2,8 +2,8 @@
 
 A random float32 state (--array_mib arrays, 128 MiB, plus an int32 scalar 'step', `--state_gib` in all), fully
 sharded over a data=4,model=2 mesh of 8 fake CPU devices (no replicas, so every variant moves
-exactly the state's bytes). Each variant runs in a fresh process of its own
-(benchmarks/checkpoint_child.py), so none sees another's memory; inside it, its cases run in
+exactly the state's bytes). Each variant runs in a fresh process of its own (benchmarks/checkpoint_child.py,
+its state made by benchmarks.checkpoint_state), so none sees another's memory; inside it, its cases run in
 rounds (one unmeasured, then --samples measured, in an order rotated each round), so the two
 sides of a ratio are measured seconds apart; the variants run in an order rotated each repeat:
 
@@ -94,6 +94,8 @@ RATIOS = {
         ("orbax_two_items_save", "total"), None),
     "fingerprint_over_state_read": ("fingerprint pass / one read of the state",
                                     ("fingerprint_pass", "secs"), ("state_read", "secs"), None),
+    "content_digests_over_state_read": ("content digests (sha256 of every leaf, a proving verdict's) / one read of "
+                                        "the state", ("content_digests", "secs"), ("state_read", "secs"), None),
     "restore_data8_over_same": ("restore onto data=8 / onto the saved layout",
                                 ("restore[data=8]", "restore"), ("restore[same]", "restore"), None),
     "restore_model8_over_same": ("restore onto model=8 / onto the saved layout",

@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import flags
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from benchmarks import common
+from benchmarks.checkpoint_state import LAYOUTS, STATE_GIB, abstract_state, random_state, shardings, state_bytes
+from checkpointing import content
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import marks as marks_lib
 from checkpointing import manifest as manifest_lib
@@ -38,22 +39,14 @@ from runtime import entry
 
 _VARIANT = flags.DEFINE_enum("variant", None, ["saves", "passes", "restores", "rss_service_save", "rss_orbax_save",
                                                 "rss_restore"], "What to measure (see VARIANTS).", required=True)
-_STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB (--array_mib arrays).",
-                                lower_bound=1 / 1024)
-_ARRAY_MIB = flags.DEFINE_integer("array_mib", 128, "Size of each array, MiB.", lower_bound=1)
 _ROOT = flags.DEFINE_string("root", None, "The benchmark's scratch directory.", required=True)
 _SAMPLES = flags.DEFINE_integer("samples", 3, "Measured rounds of the variant's cases.", lower_bound=1)
 _PIN_CALLER = flags.DEFINE_boolean("pin_caller", False, "Before each case, the calling thread on the first core "
                                    "and every other thread (XLA's device threads, Orbax's) on the others: disjoint "
                                    "cores for the caller and the work it dispatches.")
 
-COLUMNS = 4096  # a row of float32 is 16 KiB: --array_mib * 64 rows, divisible by every layout's axes
 RUN = RunMetadata(config={"bench": True}, fixed_fields={}, fixed_hash="bench", mesh={"data": 4, "model": 2})
 RESTORE_SOURCE = "restore_src"  # written by rss_service_save, read by every restore
-# name -> (mesh axis sizes, partition spec of each array) of a state or restore target.
-LAYOUTS = {"same": ((4, 2), P("data", "model")),
-           "data=8": ((8, 1), P("data", None)),
-           "model=8": ((1, 8), P(None, "model"))}
 
 # What save() calls while the caller waits, so its blocking time can be split up ('a/b': b runs inside a).
 _MANAGER = orbax_hooks.Manager  # the service's Orbax manager
@@ -69,41 +62,6 @@ PROBES["fingerprint_readback"] = common.CallProbe(fingerprint_lib, "to_ints")  #
 PROBES["marks_readback"] = common.CallProbe(marks_lib, "fingerprint_ints")  # the step's, by the background write
 # The restore's check, where the service calls it (checkpointing/checks.py: the fingerprints, then the comparison).
 PROBES["restore_fingerprint_check"] = common.CallProbe(service_lib, "check_fingerprints")
-
-
-def leaf_shape() -> tuple[int, int]:
-    return (_ARRAY_MIB.value * 64, COLUMNS)
-
-
-def num_arrays(state_gib: float) -> int:
-    return max(1, round(state_gib * 1024 / _ARRAY_MIB.value))
-
-
-def state_bytes(state_gib: float) -> int:
-    return num_arrays(state_gib) * _ARRAY_MIB.value * 2**20 + 4
-
-
-def shardings(layout: str) -> dict:
-    mesh_shape, spec = LAYOUTS[layout]
-    mesh = jax.make_mesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    tree = {f"w{i}": NamedSharding(mesh, spec) for i in range(num_arrays(_STATE_GIB.value))}
-    tree["step"] = NamedSharding(mesh, P())
-    return tree
-
-
-def random_state() -> dict:
-    """Random arrays made directly in their shards (no host copy), fully sharded over data=4,model=2."""
-    target = shardings("same")
-    make = jax.jit(lambda key: jax.random.normal(key, leaf_shape(), jnp.float32), out_shardings=target["w0"])
-    state = {name: make(jax.random.key(i)) for i, name in enumerate(target) if name != "step"}
-    state["step"] = jax.device_put(jnp.int32(0), target["step"])
-    return jax.block_until_ready(state)
-
-
-def abstract_state(layout: str) -> dict:
-    return {name: jax.ShapeDtypeStruct(() if name == "step" else leaf_shape(),
-                                       jnp.int32 if name == "step" else jnp.float32, sharding=sharding)
-            for name, sharding in shardings(layout).items()}
 
 
 def settle() -> None:
@@ -201,8 +159,9 @@ def timed_saves() -> dict[str, list[float]]:
 
 
 def passes() -> dict[str, list[float]]:
-    """The fingerprint pass exactly as save() runs it (tree_fingerprints, then to_ints), and one
-    read of the state as its reference: a jitted sum over every leaf."""
+    """The fingerprint pass exactly as save() runs it (tree_fingerprints, then to_ints), the content digests a
+    proving verdict records and a trusting restore checks (checkpointing/content.py: sha256 of every leaf on
+    the host), and one read of the state as their reference: a jitted sum over every leaf."""
     state = random_state()
     read = jax.jit(lambda tree: jax.tree.map(jnp.sum, tree), out_shardings=shardings("same")["step"])
 
@@ -214,6 +173,7 @@ def passes() -> dict[str, list[float]]:
     return rounds({"state_read": lambda: timed(lambda: jax.block_until_ready(read(state))),
                    "fingerprint_pass": lambda: timed(
                        lambda: fingerprint_lib.to_ints(fingerprint_lib.tree_fingerprints(state))),
+                   "content_digests": lambda: timed(lambda: content.leaf_digests(state)),
                    "plain_step": lambda: timed(lambda: jax.block_until_ready(marked_step(state, False))),
                    "marked_step": lambda: timed(lambda: jax.block_until_ready(marked_step(state, True)))})
 
@@ -285,7 +245,7 @@ def rss_restore() -> dict[str, list[int]]:
     settle()
     before = common.reset_peak_rss()
     restored = jax.block_until_ready(service.restore(1, target).state)
-    extra = common.peak_rss_bytes() - before - state_bytes(_STATE_GIB.value)
+    extra = common.peak_rss_bytes() - before - state_bytes(STATE_GIB.value)
     del restored
     return {"extra_bytes": [extra]}
 
@@ -305,7 +265,7 @@ def main(argv):
     if jax.device_count() != 8:
         raise ValueError(f"expected 8 fake CPU devices, got {jax.device_count()}: "
                          "run it through benchmarks.checkpoint_bench")
-    print(json.dumps({**VARIANTS[_VARIANT.value](), "state_bytes": [state_bytes(_STATE_GIB.value)]}))
+    print(json.dumps({**VARIANTS[_VARIANT.value](), "state_bytes": [state_bytes(STATE_GIB.value)]}))
 
 
 if __name__ == "__main__":

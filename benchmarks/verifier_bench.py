@@ -62,15 +62,18 @@ _LAYERS = flags.DEFINE_integer("num_layers", 4, "mlp hidden layers.")
 # sums of 1024 features, first losses near 8e6) the run diverges across layouts beyond it.
 _INPUT = flags.DEFINE_integer("input_dim", 16, "mlp input features.")
 _BATCH = flags.DEFINE_integer("batch_size", 64, "Global batch size.")
-# The recording layout by default: this width's cross-layout tolerance is not measured (on data=2
-# its replays drift past the mlp's 1e-5 from step 32: 2.7e-5), and a proof on the recording layout
-# is bit-exact. The verifier is still its own process on its own devices.
+# The recording layout by default (a proof there is bit-exact, one replay); another, e.g. data=8, measures what
+# proofs across layouts cost: a second replay on the verifier's other layout ('B' variants) against the
+# declared bounds alone ('B/declared'; this width drifts past the mlp's declared 1e-5 on data=2 from step 32).
+# The verifier is still its own process on its own devices.
 _VERIFIER_MESH = flags.DEFINE_string("verifier_mesh", "data=4,model=2", "The verifier's (and the plain restore's) "
                                      "mesh; its device count is the product of the sizes.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Rounds; each runs every variant once.")
 _BUDGETS = flags.DEFINE_list("verify_budgets", ["0", "1"], "Verifier --verify_budget values, one variant each: 0 the "
                               "cheap proof at every save (the full one at the final step only), 1 the full proof "
-                              "of every interval (and the cheap one).")
+                              "of every interval (and the cheap one); 'B/declared': the same with "
+                              "--measure_noise=false (across layouts one replay judged by the model's declared "
+                              "bounds, as the proofs were before the noise was measured).")
 _REPLAY = flags.DEFINE_integer("replay_steps", 100, "The verifier's --replay_steps in every variant.", lower_bound=0)
 _VERIFIER_CORES = flags.DEFINE_list("verifier_cores", [], "CPUs for the verifier and the plain restore, the trainer "
                                     "taking the others (1 on 2 cores): what sharing the cores costs. Default: "
@@ -133,7 +136,8 @@ def run_once(run_dir: str, budget: str | None) -> dict:
              "--max_to_keep=100"]
     verify = [sys.executable, "-m", "verifier.verify", f"--workdir={ckpt}", f"--mesh={_VERIFIER_MESH.value}",
               "--follow", "--poll_secs=0.1", "--max_poll_secs=0.5", f"--replay_steps={_REPLAY.value}",
-              f"--verify_budget={budget}", f"--v={_VERIFIER_V.value}"]
+              f"--verify_budget={str(budget).split('/')[0]}", f"--v={_VERIFIER_V.value}",
+              f"--measure_noise={not str(budget).endswith('/declared')}"]
     commits, verdicts, complete, procs = {}, {}, {}, {}
     dirs = str(step_dir(ckpt, 0).parent), str(verdict_file(ckpt, 0).parent)  # '<step>', '<step>.json' inside
     try:  # the verifier first, so that it is polling by the first commit

@@ -27,7 +27,7 @@ from typing import Callable
 
 from absl import logging
 
-from checkpointing import local_tier, verdicts
+from checkpointing import content, local_tier, verdicts
 from checkpointing import manifest as manifest_lib
 from checkpointing import partial
 from checkpointing import workdir as workdir_lib
@@ -217,8 +217,8 @@ def _restore_persistent(options: CheckpointConfig, service: CheckpointService, c
         try:
             restored = service.restore(step, abstract_state)
             check_step_counter(step, restored.state)
-            if options.resume_from == "latest_verified":
-                _require_proof_of_this_save(service.directory, step, restored.manifest)
+            _check_what_its_verdict_proved(service.directory, step, restored,
+                                           required=options.resume_from == "latest_verified")
         except (CorruptCheckpointError, FingerprintMismatchError, ManifestError, ConfigMismatchError) as err:
             # latest_verified falls back past a step saved by another config, down to the oldest one
             if isinstance(err, ConfigMismatchError) and (options.resume_from != "latest_verified"
@@ -254,7 +254,17 @@ def check_step_counter(step: int, state) -> None:
         raise CorruptCheckpointError(f"step {step}: its state's step counter reads {int(counter)}")
 
 
-def _require_proof_of_this_save(workdir: str, step: int, manifest: dict) -> None:
-    """A verdict proves one save: the step number may have been set aside and saved again since."""
-    if not verdicts.is_proved(verdicts.for_save(workdir, step, manifest.get("digest"))):
+def _check_what_its_verdict_proved(workdir: str, step: int, restored, required: bool) -> None:
+    """A verdict proves one save (its manifest digest: the step number may have been set aside and saved again
+    since) and one content (its leaves' sha256, checkpointing/content.py: arrays edited after the proof, the
+    manifest untouched, match the fingerprints but not these). `required` (latest_verified): a step without
+    such a verdict is refused too. Every process takes process 0's answer (it holds every leaf it checks)."""
+    verdict = verdicts.for_save(workdir, step, restored.manifest.get("digest"))
+    if required and not verdicts.is_proved(verdict):
         raise CorruptCheckpointError(f"step {step}: its verdict belongs to another save of that step")
+    proved = (verdict or {}).get("content_sha256") if verdicts.is_proved(verdict) else None
+    changed = content.differing(restored.state, proved) if proved and collective.is_primary() else []
+    if collective.decided_by_primary(lambda: bool(changed)):
+        raise CorruptCheckpointError(
+            f"step {step}: leaf {changed[0] if changed else '?'} is not the content its verdict proved "
+            f"({len(changed) or 'some'} leaf(s) differ: edited after the proof)")

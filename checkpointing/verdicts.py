@@ -37,6 +37,8 @@ Fields:
   manifest_digest          the digest of the manifest proved (a verdict belongs to one save)
   checkpoint_mesh, verifier_mesh   {"axis": size}
   durations_secs           {"restore": float, "replay": float, ...}
+  content_sha256           in a passing verdict that proves its step: {key path: sha256 of the leaf's values}
+                           (checkpointing/content.py), what a restore trusting the verdict checks
   evidence                 across layouts (verifier/evidence.py): {"ratio": the largest distance / measured
                            noise (of the evidence, for a failure), "margin", "deciding": quantities that could
                            decide, "chaotic": leaves that could not}; absent where the proof was bit-exact

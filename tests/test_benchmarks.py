@@ -81,6 +81,7 @@ BENCHMARKS = {
 HELPERS = {
     "common": ("checkpoint_bench", "compile_bench", "data_identity_bench", "goodput_bench", "input_bench", "scale_sim"),
     "checkpoint_child": ("checkpoint_bench",),
+    "checkpoint_state": ("checkpoint_bench",),
     "goodput_events": ("goodput_bench",),
     "goodput_report": ("goodput_bench",),
     "plain_orbax_trainer": ("goodput_bench",),

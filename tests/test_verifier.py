@@ -165,6 +165,23 @@ def test_resume_from_latest_verified_skips_a_failed_step_and_keeps_it(workdir, t
     assert read_manifest(workdir, 40)["losses"] == read_manifest(uninterrupted.workdir, 40)["losses"]
 
 
+@pytest.mark.parametrize("resume_from", ["latest_verified", "latest"])
+def test_a_proved_step_whose_content_is_not_what_its_verdict_proved_is_not_resumed(workdir, trained, resume_from):
+    """Each proving verdict records its leaves' sha256 (checkpointing/content.py); a step whose arrays are no
+    longer that content (here: the verdict's record of one leaf changed, as arrays edited after the proof
+    would be seen) is refused by a resume that trusts its verdict, and set aside."""
+    found = verify_in_process(workdir)
+    assert all(set(found[s]["content_sha256"]) == set(read_manifest(workdir, s)["leaves"]) for s in (10, 20, 30))
+    verdict = verdicts.read(workdir, 30)
+    verdict["content_sha256"][".params['Dense_0']['kernel']"] = "0" * 64
+    verdicts.write(workdir, verdict)
+    result = train_subprocess(workdir, 40, f"--resume_from={resume_from}")
+    assert "resumed from step 20" in result.stderr, result.stderr[-3000:]
+    assert "step 30: leaf .params['Dense_0']['kernel'] is not the content its verdict proved" in result.stderr
+    assert committed_steps(workdir) == [10, 20, 30, 40]
+    assert len(glob.glob(str(workdir_lib.superseded_dir(workdir) / "30-*"))) == 2, "the edited 30, and its verdict"
+
+
 def test_resume_from_latest_verified_refuses_when_nothing_is_verified(workdir, trained):
     before = helpers.disk_state(workdir)
     result = helpers.run_module("trainer.train", f"--workdir={workdir}", "--steps=40", *TRAIN,

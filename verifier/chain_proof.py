@@ -8,12 +8,16 @@ this part owns the anchors (the proved states replays start from) and the full r
 import dataclasses
 import time
 
+import jax
 from absl import logging
 
 from checkpointing import compare
+from checkpointing import content
 from checkpointing import manifest as manifest_lib
 from checkpointing import restore as restore_lib
-from checkpointing.errors import CheckpointError
+from checkpointing import verdicts
+from checkpointing.errors import CheckpointError, CorruptCheckpointError
+from runtime import collective
 from checkpointing.workdir import committed_steps, read_manifest
 from verifier import evidence
 from verifier import identity
@@ -99,7 +103,14 @@ class ChainProofs:
         program = held.program
         floors = program_lib.floors(program, from_init=anchor.step == INIT)
         losses, states = [replayed], [replayed_state]
-        judgement = evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
+
+        def judge() -> evidence.Judgement:
+            judgement = evidence.judge_losses(recorded, losses, floors[0])
+            if with_state:
+                judgement = judgement.add(evidence.judge_leaves(
+                    layouts.leaf_numbers(held.state, states, anchor.state), floors[1]))
+            return judgement
+
         for other in self._other_programs(held.manifest):
             batches = program_lib.batches_at(other, anchor.input_states, held.input_states)
             other_state, other_losses = self._replay(other, layouts.copy_onto(anchor.state, other.state_shardings),
@@ -107,13 +118,13 @@ class ChainProofs:
             self._budget.replayed(count)
             losses.append(other_losses)
             states.append(layouts.moved_onto(other_state, program.state_shardings))
-            judgement = evidence.judge_losses(recorded, losses, floors[0])
-            if with_state:
-                judgement = judgement.add(evidence.judge_leaves(
-                    layouts.leaf_numbers(held.state, states, anchor.state), floors[1]))
+            judgement = judge()
             if not judgement.findings or len(losses) == 3:
-                break
-        return judgement
+                return judgement
+        if len(losses) > 1:
+            return judgement
+        # No other layout (one device, or --measure_noise=false): the bounds the program declares, if any.
+        return judge() if any(floors) else evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
 
     def _anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
         """The step _anchor_for would start from, without restoring anything."""
@@ -135,10 +146,11 @@ class ChainProofs:
                 anchor_manifest = read_manifest(self.options.workdir, disk_anchor)
                 if anchor_manifest["fixed_hash"] == fixed_hash:
                     restored = self._service.restore(disk_anchor, program.abstract_state).state
+                    self._check_proved_content(disk_anchor, anchor_manifest, restored)
                     self._anchor = Anchor(disk_anchor, restored, fixed_hash,
                                           program_lib.input_states(self.options.workdir, disk_anchor, program))
                     return self._anchor
-            except CheckpointError as err:  # deleted or damaged since it was proved: start further back
+            except CheckpointError as err:  # deleted, damaged or edited since it was proved: start further back
                 logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
         # The run's init (the step's identity is the run's: verifier/identity.py); a run started from
         # another run's step (--init_from) takes that step's params, checked against their
@@ -146,6 +158,23 @@ class ChainProofs:
         run = self.run_manifest() or manifest
         return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state,
                                                     run.get("init_from")), fixed_hash)
+
+    def _check_proved_content(self, step: int, manifest: dict, state) -> None:
+        """A proved step restored from disk must hold the content its verdict proved (checkpointing/content.py):
+        arrays edited since, the manifest untouched, pass the fingerprints but never anchor a proof. Its verdict
+        is replaced by the failure (evidence: the step on disk is not the one proved)."""
+        verdict = verdicts.for_save(self.options.workdir, step, manifest.get("digest")) or {}
+        changed = content.differing(state, verdict.get("content_sha256") or {}) if jax.process_index() == 0 else []
+        if not collective.decided_by_primary(lambda: bool(changed)):
+            return
+        detail = (f"leaf {changed[0] if changed else '?'} is not the content its {verdict.get('level')} verdict "
+                  f"proved ({len(changed) or 'some'} leaf(s) differ): edited after the proof")
+        if jax.process_index() == 0:
+            logging.error("verdict step %d: intact fail: %s", step, detail)
+            verdicts.write(self.options.workdir, self._verdict(step, manifest, "intact", "fail", detail, {},
+                                                                mismatch={"kind": "leaf", "where": changed[0],
+                                                                          "expected": None, "actual": None}))
+        raise CorruptCheckpointError(f"step {step}: {detail}")
 
     def _exact(self, first: int, last: int, manifest: dict, program) -> bool:
         """Bit-exact only if every step in (first, last] was recorded on the verifier's layout and platform."""

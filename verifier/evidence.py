@@ -184,7 +184,7 @@ def judge_leaves(numbers: dict[str, LeafNumbers], floor_rtol: float = 0.0) -> Ju
 
 
 def judge_summaries(recorded: dict, replays: list[dict], sizes: dict[str, int], integer: set[str],
-                    step: int) -> Judgement:
+                    step: int, floor_rtol: float = 0.0) -> Judgement:
     """A probe's per-leaf [sum, norm] at `step` against the replays' (the cheap proof across layouts).
     Sums are bounded at the scale sqrt(size) * norm, as |sum| <= sqrt(size) * ||x||."""
     judgement = Judgement()
@@ -207,14 +207,16 @@ def judge_summaries(recorded: dict, replays: list[dict], sizes: dict[str, int], 
                                                   f"{replays[0][path]}, the trainer's {recorded[path]} (an "
                                                   "integer leaf: exact)"))
             continue
-        noise_norm = max(abs(a[path][1] - b[path][1]) for i, a in enumerate(replays) for b in replays[i + 1:])
+        noise_norm = max((abs(a[path][1] - b[path][1]) for i, a in enumerate(replays) for b in replays[i + 1:]),
+                         default=0.0)
         if norm > 0 and not noise_norm < CHAOTIC * norm:
             judgement.chaotic.append(path)
             continue
         for index, name in ((0, "sum"), (1, "norm")):
             scale = norm * (math.sqrt(max(sizes.get(path, 1), 1)) if name == "sum" else 1.0)
-            measured = max(abs(a[path][index] - b[path][index]) for i, a in enumerate(replays) for b in replays[i + 1:])
-            noise = max(measured, FLOOR_ULPS * FLOAT32_EPS * scale)
+            measured = max((abs(a[path][index] - b[path][index]) for i, a in enumerate(replays)
+                            for b in replays[i + 1:]), default=0.0)
+            noise = max(measured, FLOOR_ULPS * FLOAT32_EPS * scale, floor_rtol * scale / MARGIN)
             want, got = recorded[path][index], replays[0][path][index]
             ratio = _ratio(abs(want - got), noise)
             if not ratio <= MARGIN:
@@ -225,7 +227,7 @@ def judge_summaries(recorded: dict, replays: list[dict], sizes: dict[str, int], 
                 break
             judgement.largest = max(judgement.largest, ratio)
         else:
-            if MARGIN * max(noise_norm, FLOOR_ULPS * FLOAT32_EPS * norm) < norm:
+            if MARGIN * max(noise_norm, FLOOR_ULPS * FLOAT32_EPS * norm, floor_rtol * norm / MARGIN) < norm:
                 judgement.deciding += 1
     judgement.findings.sort(key=lambda finding: -finding.ratio)
     return judgement

@@ -30,6 +30,7 @@ from absl import logging
 from jax.sharding import AxisType
 
 from checkpointing import compare
+from checkpointing import content
 from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
@@ -60,6 +61,9 @@ class VerifierOptions:
     max_poll_secs: float = 30.0  # polls back off (x2 when nothing new) up to this
     # --tolerances: a calibrate file's rtols in place of every program's own (None: the programs')
     tolerances: tolerances_lib.Measured | None = None
+    # --measure_noise: replay across layouts again on the verifier's other layouts (verifier/evidence.py); off,
+    # a proof across layouts rests on the bounds the program declares (one replay: half the compute)
+    measure_noise: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +120,7 @@ class StepProofs(ChainProofs):
     def _other_programs(self, manifest: dict):
         """The run's program on each other layout of the verifier's devices it can be built on
         (verifier/layouts.py), lazily: a proof asks for a second, and a third only to confirm evidence."""
-        for mesh in layouts.other_meshes(self.mesh()):
+        for mesh in layouts.other_meshes(self.mesh()) if self.options.measure_noise else ():
             try:
                 yield self._program_for(manifest, mesh)
             except program_lib.ProgramError as err:  # that layout does not suit the run (a batch it cannot split)
@@ -195,6 +199,8 @@ class StepProofs(ChainProofs):
                 verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
         if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
             self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
+            if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/content.py)
+                verdict["content_sha256"] = content.leaf_digests(held.state)
         return verdict
 
     def _full_proof(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict:

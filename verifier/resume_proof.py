@@ -71,17 +71,24 @@ def prove(replay, program, start_state, step: int, probe: dict, manifest: dict,
         judgement = evidence.judge_losses(recorded, [losses]).add(evidence.judge_summaries(
             probe["summaries"], [summaries], sizes, integer, probe["summary_step"]))
     else:
+        floors = program_lib.floors(program, from_init=False)
         all_losses, all_summaries = [losses], [summaries]
-        judgement = evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
+
+        def judge() -> evidence.Judgement:
+            return evidence.judge_losses(recorded, all_losses, floors[0]).add(evidence.judge_summaries(
+                probe["summaries"], all_summaries, sizes, integer, probe["summary_step"], floors[1]))
+
+        judgement = None
         for other in others():
             other_losses, other_summaries, _ = _replayed(replay, other, start_state, step, count, recorded_pass,
                                                          batches_for(other))
             all_losses.append(other_losses)
             all_summaries.append(other_summaries)
-            judgement = evidence.judge_losses(recorded, all_losses).add(evidence.judge_summaries(
-                probe["summaries"], all_summaries, sizes, integer, probe["summary_step"]))
+            judgement = judge()
             if not judgement.findings or len(all_losses) == 3:
                 break
+        if judgement is None:  # no other layout: the bounds the program declares, if any
+            judgement = judge() if any(floors) else evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
     status, detail = layouts.verdict_of(judgement, manifest)
     return ResumeResult(judgement, status, detail, count, probe["summary_step"], len(recorded), largest, exact)
 

@@ -55,8 +55,12 @@ MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wai
 # never reads it, so it is not in the run's config, manifest or identity (docs/verifier.md).
 TOLERANCES = flags.DEFINE_string(
     "tolerances", "", "A JSON file written by python -m verifier.calibrate --out for the run's model: its "
-    "cross-layout rtols replace the model's own, the from-init pair for a full proof's first interval. Empty: "
-    "the model's.")
+    "cross-layout rtols replace the model's own as floors under the measured noise (the from-init pair for a full "
+    "proof's first interval). Empty: the model's.")
+MEASURE_NOISE = flags.DEFINE_boolean(
+    "measure_noise", True, "Across layouts, replay each interval again on another layout of this verifier's devices "
+    "to measure the noise of a layout change (a failure needs evidence beyond 100x it). Off: half the compute, and "
+    "a proof across layouts rests on the bounds the model declares (inconclusive where it declares none).")
 
 
 def failing_steps(workdir: str) -> list[int]:
@@ -84,7 +88,8 @@ def main(argv: list[str]) -> int:
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     options = VerifierOptions(workdir=workdir, mesh=mesh, replay_steps=REPLAY_STEPS.value,
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
-                              poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured)
+                              poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured,
+                              measure_noise=MEASURE_NOISE.value)
     # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
