@@ -19,15 +19,20 @@ from verifier import evidence
 
 
 def other_meshes(mesh) -> list:
-    """Meshes over `mesh`'s devices with other (data, model) sizes, the transposed one first."""
+    """Meshes over `mesh`'s devices with other (data, model) sizes, the transposed one first, and last one device
+    alone (every reduction on one device: with two devices, the only third layout there is)."""
     count, shape = mesh.devices.size, dict(mesh.shape)
     current = (shape.get("data", 1), shape.get("model", 1))
     sizes = [current[::-1]] + sorted(((d, count // d) for d in range(1, count + 1) if count % d == 0),
                                      key=lambda size: -size[0])
     ordered = [size for i, size in enumerate(sizes) if size != current and size not in sizes[:i]]
     devices = list(mesh.devices.flat)
-    return [jax.make_mesh(size, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
-            for size in ordered]
+    meshes = [jax.make_mesh(size, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+              for size in ordered]
+    if count > 1:
+        meshes.append(jax.make_mesh((1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                                    devices=devices[:1]))
+    return meshes
 
 
 def as_tree_of(tree, like):
@@ -36,18 +41,21 @@ def as_tree_of(tree, like):
 
 
 def copy_onto(state, shardings):
-    """A fresh copy of `state` on `shardings` (a step donates its input: a proved state must stay)."""
-    return _copier(jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))(as_tree_of(state, shardings))
-
-
-def moved_onto(state, shardings):
-    """`state` (another layout's) on `shardings`, to be compared with this layout's."""
-    return jax.device_put(as_tree_of(state, shardings), shardings)
+    """A fresh copy of `state` on `shardings` (a step donates its input: a proved state must stay): moved there,
+    then copied by an executable of its own. A transfer alone may alias: a replicated leaf moved to one of its
+    own devices came back as that device's buffer, even with may_alias=False (jax 0.10.2)."""
+    moved = jax.device_put(as_tree_of(state, shardings), shardings)
+    return _copier(jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))(moved)
 
 
 @functools.lru_cache(maxsize=16)
 def _copier(treedef, shardings: tuple):
     return jax.jit(lambda tree: jax.tree.map(jnp.copy, tree), out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
+def moved_onto(state, shardings):
+    """`state` (another layout's) on `shardings`, to be compared with this layout's."""
+    return jax.device_put(as_tree_of(state, shardings), shardings)
 
 
 def leaf_numbers(recorded, replays: list, anchor) -> dict[str, evidence.LeafNumbers]:
