@@ -3,6 +3,7 @@
     <workdir>/checkpoints/<step>/state/          the arrays (Orbax, TensorStore)
     <workdir>/checkpoints/<step>/manifest/metadata   the manifest (JSON: fingerprints, losses, config)
     <workdir>/checkpoints/<step>/input_state/process_<i>-of-<n>.json   a data iterator's state (input_state.py)
+    <workdir>/run.json                           the run's identity, recorded once at its first start (run_record.py)
     <workdir>/superseded/<step>-<time>[.verdict.json]  steps a resume from an older step set aside
     <workdir>/verdicts/<step>.json               the verifier's verdict on one committed step
     <workdir>/probes/<step>.json                 what the trainer recorded k steps after a save (probes.py)
@@ -39,6 +40,7 @@ SUPERSEDED_DIR = "superseded"
 VERDICTS_DIR = "verdicts"
 PROBES_DIR = "probes"  # what the trainer recorded a few steps after each save (checkpointing/probes.py)
 LEASE_DIR = "lease"
+RUN_FILE = "run.json"  # the run's identity, written once at its first start (checkpointing/run_record.py)
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PROCESS_PLACEHOLDER = "{process}"  # in --local_dir: the process index
@@ -97,6 +99,10 @@ def probe_file(workdir: str, step: int) -> epath.Path:
 def lease_dir(workdir: str) -> str:
     """A string: the lease store takes gs:// URLs and local paths as they are."""
     return _join(workdir, LEASE_DIR)
+
+
+def run_file(workdir: str) -> epath.Path:
+    return epath.Path(_join(workdir, RUN_FILE))
 
 
 def metrics_file(workdir: str) -> str:
