@@ -214,7 +214,9 @@ def is_committed(directory: str, step: int) -> bool:
 
 
 def read_manifest(directory: str, step: int) -> dict:
-    """The schema-checked manifest of `step` (the caller knows the step is committed)."""
+    """The schema-checked manifest of `step` (the caller knows the step is committed). A manifest that
+    records another step than its directory's name (a step copied in under another number) is corrupt:
+    this is the one place that knows both."""
     path = manifest_file(directory, step)
     try:
         text = reads.read_retrying(path.read_text, f"step {step}: reading its manifest {path}")
@@ -222,4 +224,8 @@ def read_manifest(directory: str, step: int) -> dict:
         raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err.__cause__})") from None
     from checkpointing import manifest as manifest_lib  # imports JAX, as above
 
-    return manifest_lib.parse(text, f"step {step} manifest")
+    manifest = manifest_lib.parse(text, f"step {step} manifest")
+    if manifest["step"] != step:
+        raise CorruptCheckpointError(f"step {step}: its manifest records step {manifest['step']} ({path}): a step "
+                                     "saved under another number")
+    return manifest

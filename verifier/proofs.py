@@ -82,7 +82,7 @@ class StepProofs(ChainProofs):
         self._budget = ProofBudget(options.verify_budget)
         self._copies: dict[str, object] = {}  # fixed_hash -> jitted copy onto the state shardings
         self._mesh = None
-        self._run: dict | None = None  # the manifest naming the run (verifier/identity.py)
+        self._run: dict | None = None  # the run's identity (verifier/identity.py)
 
     def mesh(self):
         """The verifier's own mesh: --mesh over all its devices (data=<devices> by default)."""
@@ -93,10 +93,10 @@ class StepProofs(ChainProofs):
         return self._mesh
 
     def run_manifest(self) -> dict | None:
-        """The manifest naming this workdir's run (verifier/identity.py), found once and kept: a
-        retention that deletes that step later does not change which run the workdir holds."""
+        """The run's identity (verifier/identity.py run_identity: its fixed config, program and init_from),
+        found once and kept: a retention that deletes steps later does not change which run the workdir holds."""
         if self._run is None:
-            self._run = identity.run_manifest(self.options.workdir, committed_steps(self.options.workdir))
+            self._run = identity.run_identity(self.options.workdir, committed_steps(self.options.workdir))
         return self._run
 
     def _program_for(self, manifest: dict):
