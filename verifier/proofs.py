@@ -35,9 +35,10 @@ from checkpointing import restore as restore_lib
 from checkpointing import verdicts
 from checkpointing.errors import CheckpointError, FingerprintMismatchError, TreeMismatchError
 from checkpointing.service import CheckpointService
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, is_committed, read_manifest
 from trainer.config import MESH_AXES
 from runtime import collective
+from verifier import faults
 from verifier import identity
 from verifier import program as program_lib
 from verifier import resume_proof
@@ -45,6 +46,9 @@ from verifier import tolerances as tolerances_lib
 from verifier.budget import ProofBudget
 from verifier.chain_proof import INIT, Anchor, ChainProofs  # noqa: F401 (INIT: re-exported)
 
+# A step being deleted (Orbax removes its files one by one) is still listed meanwhile: a file found
+# missing is looked at again this long before it is called evidence.
+DELETION_SECS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class VerifierOptions:
     max_poll_secs: float = 30.0  # polls back off (x2 when nothing new) up to this
     # --tolerances: a calibrate file's rtols in place of every program's own (None: the programs')
     tolerances: tolerances_lib.Measured | None = None
+    reverify: tuple[int, ...] | str = ()  # --reverify: steps whose complete verdicts are redone, or "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +118,8 @@ class StepProofs(ChainProofs):
     # --- one step ------------------------------------------------------------------------------
 
     def _intact(self, step: int) -> tuple[dict, HeldStep | None]:
-        """(verdict, None) when `step` is not intact (complete), else (its intact verdict, what its
-        replay needs, restored once)."""
+        """(verdict, None) when `step` is not intact (complete; an error is not), else (its intact verdict,
+        what its replay needs, restored once)."""
         durations, started = {}, time.perf_counter()
         manifest = {}
         try:
@@ -127,19 +132,8 @@ class StepProofs(ChainProofs):
             program = self._program_for(manifest)
             state = self._service.restore(step, program.abstract_state).state
             inputs = program_lib.input_states(self.options.workdir, step, program)
-        except program_lib.ProgramError as err:
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
-        except (FingerprintMismatchError, TreeMismatchError) as err:
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations,
-                                 mismatch=_leaf_mismatch(err)), None
-        except CheckpointError as err:
-            if step not in committed_steps(self.options.workdir):
-                return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})",
-                                     durations), None
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
-        except (KeyError, TypeError, ValueError, AttributeError) as err:  # anything else wrong inside the manifest
-            return self._verdict(step, manifest, "intact", "fail", f"step {step} cannot be proved from its manifest "
-                                 f"({type(err).__name__}: {_first_line(err)})", durations), None
+        except Exception as err:  # evidence or the verifier's own fault: verifier/faults.py decides which
+            return self._not_proved(step, manifest, "intact", err, durations, evidence_possible=True), None
         durations["restore"] = time.perf_counter() - started
         problem = _intact_problem(step, state)
         if problem:
@@ -149,6 +143,32 @@ class StepProofs(ChainProofs):
                                f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
                                complete=False)
         return intact, HeldStep(state, manifest, program, durations, inputs)
+
+    def _not_proved(self, step: int, manifest: dict, level: str, err: Exception, durations: dict, *,
+                    evidence_possible: bool) -> dict:
+        """The verdict of a proof that raised `err`: `gone` if the step was deleted meanwhile, `fail` on evidence
+        against it (only where the step's own files were being read), else `error` (verifier/faults.py),
+        written incomplete so that the next verifier run retries it."""
+        if self._deleted(step, err):
+            return self._verdict(step, manifest, level, "gone", f"deleted while being verified ({_first_line(err)})",
+                                 durations)
+        if evidence_possible and faults.is_evidence(err):
+            mismatch = _leaf_mismatch(err) if isinstance(err, (FingerprintMismatchError, TreeMismatchError)) else None
+            return self._verdict(step, manifest, level, "fail", _first_line(err) or type(err).__name__, durations,
+                                 mismatch=mismatch)
+        logging.warning("step %d: the verifier could not prove it: %s", step, faults.cause(err))
+        logging.vlog(1, "step %d: where the proof stopped", step, exc_info=err)  # one line unless -v=1
+        return self._verdict(step, manifest, level, "error", faults.cause(err), durations, complete=False)
+
+    def _deleted(self, step: int, err: Exception | None = None) -> bool:
+        """Whether `step` was deleted (retention) while it was proved. A step is removed file by file while it
+        is still listed: a file missing from it is looked at again for up to DELETION_SECS."""
+        deadline = time.monotonic() + (DELETION_SECS if err is not None and faults.is_missing_file(err) else 0)
+        while is_committed(self.options.workdir, step):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
         """The complete verdict of an intact step: the cheap proof where the trainer recorded a probe
@@ -242,7 +262,7 @@ def _intact_problem(step: int, state) -> compare.Mismatch | None:
 
 
 def _first_line(err: Exception) -> str:
-    return str(err).splitlines()[0] if str(err) else ""
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
 
 
 def _leaf_mismatch(err: Exception) -> dict:
