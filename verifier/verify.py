@@ -54,11 +54,11 @@ UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this 
 POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between listings (doubles while idle); "
                                "on a local workdir a commit ends the wait at once.", lower_bound=0.01)
 MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between listings.", lower_bound=0.01)
-# How strictly this verifier compares across layouts is its own setting, not the run's: the trainer
-# never reads it, so it is not in the run's config, manifest or identity (docs/verifier.md).
 REVERIFY = flags.DEFINE_string(
     "reverify", "", "Redo these steps' verdicts (a comma list of committed steps, or 'all'), complete ones "
     "included; without it a complete verdict of a step's save is never redone.")
+# How strictly this verifier compares across layouts is its own setting, not the run's: the trainer
+# never reads it, so it is not in the run's config, manifest or identity (docs/verifier.md).
 TOLERANCES = flags.DEFINE_string(
     "tolerances", "", "A JSON file written by python -m verifier.calibrate --out for the run's model: its "
     "cross-layout rtols replace the model's own, the from-init pair for a full proof's first interval. Empty: "
