@@ -24,6 +24,7 @@ from checkpointing import input_state
 from checkpointing import lease as lease_lib
 from checkpointing import probes
 from checkpointing import restore as restore_lib
+from checkpointing import run_record
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from checkpointing.config import AUTO, CheckpointConfig, resolve_path
@@ -76,6 +77,7 @@ class Checkpointer:
             input_state.check_restorable(self.workdir, self._candidates[0], process_count=_process_count(),
                                          has_iterator=data_iterator is not None)
         self.run = dataclasses.replace(run, init_from=restore_lib.init_from(self.workdir, self.options.init_from))
+        run_record.check(self.workdir, self.run, starting_over=self._starting_over)  # the run's record: run.json
         self._lease = _acquire_pod_lease(self.workdir, self.options.lease_secs)
         self._owns_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog(watchdog_secs)
@@ -100,6 +102,11 @@ class Checkpointer:
             raise
 
     @property
+    def _starting_over(self) -> bool:
+        """--resume_from=none --rollback: every committed step set aside, and the run's record with them."""
+        return self.options.resume_from == "none" and self.options.rollback
+
+    @property
     def resume_candidates(self) -> list[int]:
         """The committed steps a restore will try, newest first ([]: a fresh start)."""
         return list(self._candidates)
@@ -114,6 +121,8 @@ class Checkpointer:
         with self.watchdog.bounded("restoring", self.watchdog.timeout_secs):
             start = restore_lib.restore_or_init(self.options, self.service, self.local, self._candidates,
                                                 abstract_state, init_fn, self.run.init_from)
+            if start.tier is None and collective.is_primary():  # a first start (or a start over): before any save
+                run_record.record_first_start(self.workdir, self.run, starting_over=self._starting_over)
             if self._data_iterator is not None and start.tier is not None:
                 input_state.check_restorable(self.workdir, start.step, process_count=_process_count(),
                                              has_iterator=True)  # a fallback past a corrupt step may differ

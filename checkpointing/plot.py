@@ -32,7 +32,8 @@ from checkpointing.workdir import committed_steps, read_manifest
 
 FORMATS = (".png", ".svg")
 VERDICT_COLOURS = {"reproduced pass": "tab:green", "resumes pass": "yellowgreen", "replayed pass": "tab:olive",
-                   "intact pass": "tab:cyan", "fail": "tab:red", "gone": "tab:gray", "-": "tab:gray"}
+                   "intact pass": "tab:cyan", "fail": "tab:red", "inconclusive": "goldenrod", "error": "black",
+                   "gone": "tab:gray", "-": "tab:gray"}
 
 
 @dataclasses.dataclass

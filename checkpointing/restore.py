@@ -1,10 +1,11 @@
 """What a start-up restores, and from which tier (the restore precedence, MaxText's rule made strict):
 
   resume_from=latest           this workdir's newest committed step; if it is corrupt (evidence: its
-                               fingerprints, tree, manifest, a file truncated or missing), the next
-                               newest, with an error log line; none at all: fresh. A read that fails for
-                               the storage (EIO, the network) is retried, then exit 1 (reads.py): never
-                               a fallback; and committed steps that all fail are exit 1, not step 0.
+                               fingerprints, tree, manifest, a file truncated or missing, or a complete
+                               `fail` verdict of this save), the next newest, with an error log line;
+                               none at all: fresh. A read that fails for the storage (EIO, the network)
+                               is retried, then exit 1 (reads.py): never a fallback; and committed steps
+                               that all fail are exit 1, not step 0.
   resume_from=latest_verified  the newest step the verifier *reproduced* (proved from the seed's chain
                                of trust, its verdict naming this save's manifest digest); same fallback;
                                refuses a workdir that has checkpoints but no reproduced step.
@@ -215,6 +216,8 @@ def _restore_persistent(options: CheckpointConfig, service: CheckpointService, c
     failures = []
     for index, step in enumerate(candidates):
         try:
+            if options.resume_from == "latest":
+                _refuse_failed_verdict(service.directory, step)
             restored = service.restore(step, abstract_state)
             check_step_counter(step, restored.state)
             _check_what_its_verdict_proved(service.directory, step, restored,
@@ -252,6 +255,15 @@ def check_step_counter(step: int, state) -> None:
     counter = state.get("step") if isinstance(state, dict) else getattr(state, "step", None)
     if counter is not None and int(counter) != step:
         raise CorruptCheckpointError(f"step {step}: its state's step counter reads {int(counter)}")
+
+
+def _refuse_failed_verdict(workdir: str, step: int) -> None:
+    """A step the verifier failed (a complete `fail` of this save: evidence) is not resumed from, as a corrupt
+    one is not; `inconclusive` or `error` say nothing against it."""
+    verdict = verdicts.for_save(workdir, step)
+    if verdict is not None and verdict["complete"] and verdict["status"] == "fail":
+        raise CorruptCheckpointError(f"step {step}: the verifier failed it ({verdict['level']} fail: "
+                                     f"{verdict['detail']})")
 
 
 def _check_what_its_verdict_proved(workdir: str, step: int, restored, required: bool) -> None:

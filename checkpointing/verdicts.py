@@ -23,12 +23,13 @@ Levels, weakest first (each includes the ones before it):
   and retention's protection: both show that the checkpoint resumes the run.
 
 Fields:
-  step, level, status     "pass"; "fail" (evidence beyond the noise measured for the run: the step is wrong);
-                          "inconclusive" (the proof could not decide, its reason in detail: never proved);
-                          "error" (a fault of the verifier's own: its program, memory, devices, storage;
-                          never the checkpoint's, retried by the next verifier run); "gone" (deleted while
-                          being verified)
-  complete                 false while a replay is still to come (the intact part is written first)
+  step, level, status     "pass"; "fail" (evidence: the step is wrong); "inconclusive" (the proof could
+                          not decide, its reason in detail: never proved); "error" (a fault of the
+                          verifier's own: its program, memory, devices, storage; never the checkpoint's,
+                          written with complete=false, so the next verifier run retries it); "gone"
+                          (deleted while being verified). verifier/faults.py says which is which.
+  complete                 false while a replay is still to come (the intact part is written first), and
+                          for an error; a complete verdict is final for its save (write(): --reverify)
   detail                   one line: what was proved, or the first mismatch with both values
   mismatch                 null, or {"kind", "where", "expected", "actual"} of the first mismatch
   max_relative_difference  float or null: the largest relative loss difference of the replay
@@ -95,9 +96,20 @@ def validate(verdict, where: str = "verdict") -> dict:
     return verdict
 
 
-def write(workdir: str, verdict: dict) -> None:
+def write(workdir: str, verdict: dict, *, replace: bool = False) -> bool:
     """Writes the verdict so that readers see the old file (damaged or not) or the whole new one,
-    and on a local disk durably (checkpointing/durable.py: fsync, rename, fsync the directory)."""
+    and on a local disk durably (checkpointing/durable.py: fsync, rename, fsync the directory).
+
+    A complete verdict is final for its save: nothing is written over it for the same save (the same
+    manifest digest, or a verdict that could not read one: a step being deleted reads as missing files)
+    unless `replace` (--reverify), and then only by another complete verdict, so an `error` or an intact
+    part never stands in for a verdict already reached. Returns whether it was written."""
+    try:
+        existing = read(workdir, verdict["step"])
+    except OSError:  # unreadable: the write below says why if it cannot replace it either
+        existing = None
+    if _final_for(existing, verdict, replace):
+        return False
     path = workdir_lib.verdict_file(workdir, verdict["step"])
     text = json.dumps(verdict, indent=1, sort_keys=True)
     try:
@@ -108,6 +120,15 @@ def write(workdir: str, verdict: dict) -> None:
             path.write_text(text)  # a GCS object appears whole or not at all, durable once written
     except OSError as err:
         raise CheckpointError(f"verdict of step {verdict['step']}: cannot write {path}: {one_line_cause(err)}") from err
+    return True
+
+
+def _final_for(existing: dict | None, verdict: dict, replace: bool) -> bool:
+    """Whether `existing` is a complete verdict of the same save that `verdict` may not replace."""
+    if existing is None or not existing["complete"]:
+        return False
+    same_save = verdict["manifest_digest"] is None or verdict["manifest_digest"] == existing.get("manifest_digest")
+    return same_save and not (replace and verdict["complete"])
 
 
 def load(workdir: str, step: int) -> tuple[dict | None, str | None]:
@@ -243,12 +264,17 @@ def describe(workdir: str, step: int) -> str:
     verdict, damage = load(workdir, step)
     if damage is not None:
         return "damaged (unproved)"
-    if verdict is not None and not belongs(verdict, digest_on_disk(workdir, step)):
-        return "stale: another save (unproved)"
+    if verdict is not None:
+        digest = digest_on_disk(workdir, step)
+        if not belongs(verdict, digest):
+            return "stale: another save (unproved)" if digest is not None else "manifest unreadable (unproved)"
     return summary(verdict)
 
 
 def summary(verdict: dict | None) -> str:
+    """'reproduced pass', 'intact pass (replaying)', 'intact error' (never replaying: the next verifier run
+    retries it)."""
     if verdict is None:
         return "-"
-    return f"{verdict['level']} {verdict['status']}" + ("" if verdict["complete"] else " (replaying)")
+    replaying = not verdict["complete"] and verdict["status"] != "error"
+    return f"{verdict['level']} {verdict['status']}" + (" (replaying)" if replaying else "")

@@ -3,6 +3,7 @@
     <workdir>/checkpoints/<step>/state/          the arrays (Orbax, TensorStore)
     <workdir>/checkpoints/<step>/manifest/metadata   the manifest (JSON: fingerprints, losses, config)
     <workdir>/checkpoints/<step>/input_state/process_<i>-of-<n>.json   a data iterator's state (input_state.py)
+    <workdir>/run.json                           the run's identity, recorded once at its first start (run_record.py)
     <workdir>/superseded/<step>-<time>[.verdict.json]  steps a resume from an older step set aside
     <workdir>/verdicts/<step>.json               the verifier's verdict on one committed step
     <workdir>/probes/<step>.json                 what the trainer recorded k steps after a save (probes.py)
@@ -39,6 +40,7 @@ SUPERSEDED_DIR = "superseded"
 VERDICTS_DIR = "verdicts"
 PROBES_DIR = "probes"  # what the trainer recorded a few steps after each save (checkpointing/probes.py)
 LEASE_DIR = "lease"
+RUN_FILE = "run.json"  # the run's identity, written once at its first start (checkpointing/run_record.py)
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PROCESS_PLACEHOLDER = "{process}"  # in --local_dir: the process index
@@ -97,6 +99,10 @@ def probe_file(workdir: str, step: int) -> epath.Path:
 def lease_dir(workdir: str) -> str:
     """A string: the lease store takes gs:// URLs and local paths as they are."""
     return _join(workdir, LEASE_DIR)
+
+
+def run_file(workdir: str) -> epath.Path:
+    return epath.Path(_join(workdir, RUN_FILE))
 
 
 def metrics_file(workdir: str) -> str:
@@ -208,7 +214,9 @@ def is_committed(directory: str, step: int) -> bool:
 
 
 def read_manifest(directory: str, step: int) -> dict:
-    """The schema-checked manifest of `step` (the caller knows the step is committed)."""
+    """The schema-checked manifest of `step` (the caller knows the step is committed). A manifest that
+    records another step than its directory's name (a step copied in under another number) is corrupt:
+    this is the one place that knows both."""
     path = manifest_file(directory, step)
     try:
         text = reads.read_retrying(path.read_text, f"step {step}: reading its manifest {path}")
@@ -216,4 +224,8 @@ def read_manifest(directory: str, step: int) -> dict:
         raise CorruptCheckpointError(f"step {step}: cannot read its manifest ({err.__cause__})") from None
     from checkpointing import manifest as manifest_lib  # imports JAX, as above
 
-    return manifest_lib.parse(text, f"step {step} manifest")
+    manifest = manifest_lib.parse(text, f"step {step} manifest")
+    if manifest["step"] != step:
+        raise CorruptCheckpointError(f"step {step}: its manifest records step {manifest['step']} ({path}): a step "
+                                     "saved under another number")
+    return manifest

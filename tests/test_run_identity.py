@@ -1,7 +1,9 @@
 """A workdir has one run: a step from another run, a step replaced after its proof and a damaged
 config in a manifest each fail their own verdict (one line) and the verifier goes on; the verifier
 stops at SIGTERM and keeps following past an unreadable newest step. Each asserts the exit code,
-the last line, and that every committed step is unchanged or moved to superseded/."""
+the last line, and that every committed step is unchanged or moved to superseded/.
+The run's identity is its own record (run.json, written once at its first start), else what most of its
+steps share: a foreign step fails alone wherever it lies (tests/test_run_record.py: the record itself)."""
 
 import os
 import shutil
@@ -76,7 +78,6 @@ def damage(step_config_edit):
 @pytest.mark.parametrize("step, edit, named", [
     (20, lambda config: config.update(hidden_dim="64"), "hidden_dim is '64'"),
     (10, lambda config: config.update(hidden_dim="64"), "hidden_dim is '64'"),  # the run's first step
-    (20, lambda config: config.update(bogus=1), "unknown config field(s) 'bogus'"),
 ])
 def test_a_damaged_config_in_a_manifest_is_that_steps_failed_verdict_and_the_verifier_goes_on(
         workdir, trained_copy, step, edit, named):
@@ -116,3 +117,69 @@ def test_sigterm_stops_the_verifier_within_seconds_and_it_keeps_following_past_a
     assert took < 3, f"the verifier took {took:.1f}s to stop"
     assert verdicts.read(workdir, 30)["status"] == "fail" and verdicts.read(workdir, 20)["level"] == "reproduced"
     helpers.assert_committed_intact(before, workdir)
+
+
+def foreign_step(trained_copy, tmp_path, step: int, **other):
+    """The directory of `step` of another run (tamper.RUN with `other`), trained once per session."""
+    foreign = trained_copy(str(tmp_path / "other"), **{**RUN, **other})
+    return helpers.checkpoint_dir(foreign.workdir, str(step))
+
+
+def replace_step(workdir: str, step: int, source: str) -> None:
+    shutil.rmtree(helpers.checkpoint_dir(workdir, str(step)), ignore_errors=True)
+    shutil.copytree(source, helpers.checkpoint_dir(workdir, str(step)))
+
+
+def levels(found: dict, steps) -> list[tuple[str, str]]:
+    return [(found[step]["level"], found[step]["status"]) for step in steps]
+
+
+@pytest.mark.parametrize("record", [True, False])  # False: a workdir from before run.json (most steps decide)
+def test_another_seeds_step_as_the_oldest_fails_alone(workdir, trained_copy, tmp_path, record):
+    trained_copy(workdir, **RUN)
+    replace_step(workdir, 10, foreign_step(trained_copy, tmp_path, 10, seed=6))
+    if not record:
+        os.remove(workdir_lib.run_file(workdir))
+    found = verify_in_process(workdir)
+    assert levels(found, (10, 20, 30)) == [("intact", "fail"), ("reproduced", "pass"), ("reproduced", "pass")], found
+    assert found[10]["detail"].startswith("step 10 is not this run's: its fixed config differs (seed 6 vs 0 in "
+                                          + ("the run's record (run.json)" if record else "the run of steps 20..30"))
+    assert found[20]["replayed_from"] == 0, "proved from the run's own init, past the foreign step"
+
+
+@pytest.mark.parametrize("record", [True, False])
+@pytest.mark.parametrize("copied_as, named", [
+    (5, "step 5 is not this run's: its fixed config differs (seed 6 vs 0"),  # its step 5, as an extra older step
+    (10, "step 5: its manifest records step 10"),  # its step 10 copied in under another number
+])
+def test_another_runs_step_copied_in_as_an_older_step_fails_alone(workdir, trained_copy, tmp_path, record,
+                                                                  copied_as, named):
+    trained_copy(workdir, **RUN)
+    foreign = trained_copy(str(tmp_path / "other"), **{**RUN, "steps": 10, "save_every_steps": 5, "seed": 6})
+    replace_step(workdir, 5, helpers.checkpoint_dir(foreign.workdir, str(copied_as)))
+    if not record:
+        os.remove(workdir_lib.run_file(workdir))
+    found = verify_in_process(workdir)
+    assert levels(found, (5, 10, 20, 30)) == [("intact", "fail")] + [("reproduced", "pass")] * 3, found
+    assert found[5]["detail"].startswith(named), found[5]["detail"]
+    assert found[10]["replayed_from"] == 0
+
+
+@pytest.mark.parametrize("step, edit", [
+    (10, lambda config: config.pop("log_every_steps")),  # the oldest step, as a version adding it mid-run leaves it
+    (20, lambda config: config.update(bogus=1)),  # a field a later version records
+])
+def test_a_non_fixed_config_field_added_or_removed_is_the_same_run(workdir, trained_copy, step, edit):
+    trained_copy(workdir, **RUN)
+    edit_manifest(workdir, step, damage(edit))
+    found = verify_in_process(workdir)
+    assert levels(found, (10, 20, 30)) == [("reproduced", "pass")] * 3, found
+
+
+def test_a_step_saved_under_another_number_is_corrupt_and_a_resume_falls_back_past_it(workdir, trained_copy):
+    trained_copy(workdir, **RUN)
+    replace_step(workdir, 30, helpers.checkpoint_dir(workdir, "20"))
+    resumed = helpers.run_module("trainer.train", f"--workdir={workdir}", "--steps=40", *TRAIN)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint step 30 cannot be restored (step 30: its manifest records step 20 (" in resumed.stderr
+    assert "resumed from step 20" in resumed.stderr

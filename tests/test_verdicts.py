@@ -1,5 +1,6 @@
 """Verdicts in-process on hand-built JSON: the atomic write, the schema on read (a damaged file counts as
-no verdict), and which verdicts may anchor a proof or a resume (`is_proved`)."""
+no verdict), which verdicts may anchor a proof or a resume (`is_proved`), and which may replace another
+(a complete verdict is final for its save unless --reverify)."""
 
 import json
 import logging
@@ -94,6 +95,9 @@ def test_the_schema_names_what_is_wrong(edit, message):
     ("reproduced", "gone", True, False),
     ("resumes", "pass", True, True),
     ("resumes", "fail", True, False),
+    ("reproduced", "inconclusive", True, False),
+    ("reproduced", "error", False, False),
+    ("intact", "error", False, False),
 ])
 def test_only_a_passing_proof_verdict_anchors_a_proof_or_a_resume(level, status, complete, reproduced):
     assert verdicts.is_proved(verdict(10, level=level, status=status, complete=complete)) is reproduced
@@ -118,6 +122,48 @@ def test_summary_is_what_inspect_shows():
     assert verdicts.summary(None) == "-"
     assert verdicts.summary(verdict(10)) == "reproduced pass"
     assert verdicts.summary(verdict(10, level="intact", complete=False)) == "intact pass (replaying)"
+    # An error is written incomplete (the next verifier run retries it), but nothing is replaying it.
+    assert verdicts.summary(verdict(10, level="intact", status="error", complete=False)) == "intact error"
+    assert verdicts.summary(verdict(10, status="inconclusive")) == "reproduced inconclusive"
+
+
+def test_the_plot_colours_every_status_and_inconclusive_and_error_apart_from_pass_and_fail():
+    from checkpointing import plot
+
+    colours = {status: plot.colour_of(verdict(10, status=status)) for status in verdicts.STATUSES}
+    assert len({colours["pass"], colours["fail"], colours["inconclusive"], colours["error"]}) == 4, colours
+
+
+SAVE, OTHER_SAVE = "a" * 64, "b" * 64  # two manifest digests
+
+
+@pytest.mark.parametrize("new, replace, written", [
+    (dict(status="fail"), False, False),  # a pass is never overwritten by a fail of the same save
+    (dict(level="intact", status="fail", manifest_digest=None), False, False),  # one that could not read it
+    (dict(status="gone"), False, False),
+    (dict(level="intact", complete=False), False, False),  # an intact part never stands in for a reached verdict
+    (dict(status="fail", manifest_digest=OTHER_SAVE), False, True),  # another save of the step
+    (dict(status="fail"), True, True),  # --reverify
+    (dict(level="intact", status="error", complete=False), True, False),  # a fault never replaces a verdict
+    (dict(level="intact", complete=False), True, False),  # redone: the old verdict stays until the new one
+])
+def test_a_complete_verdict_is_final_for_its_save_unless_reverified(tmp_path, new, replace, written):
+    workdir = str(tmp_path)
+    verdicts.write(workdir, verdict(10, manifest_digest=SAVE))
+    before = workdir_lib.verdict_file(workdir, 10).read_bytes()
+    replacement = verdict(10, **{"manifest_digest": SAVE, **new})
+    assert verdicts.write(workdir, replacement, replace=replace) is written
+    assert verdicts.read(workdir, 10) == (replacement if written else json.loads(before))
+    assert os.listdir(workdir_lib.verdicts_dir(workdir)) == ["10.json"]
+
+
+@pytest.mark.parametrize("first", [dict(level="intact", complete=False),
+                                   dict(level="intact", status="error", complete=False)])
+def test_an_incomplete_verdict_is_replaced_by_the_next(tmp_path, first):
+    workdir = str(tmp_path)
+    verdicts.write(workdir, verdict(10, manifest_digest=SAVE, **first))
+    assert verdicts.write(workdir, verdict(10, level="intact", status="fail", manifest_digest=SAVE)) is True
+    assert verdicts.read(workdir, 10)["status"] == "fail"
 
 
 def test_the_newest_proved_step_reads_from_the_newest_down_and_stops_at_the_first_proved(tmp_path, monkeypatch):

@@ -173,7 +173,8 @@ class ChainProofs:
             logging.error("verdict step %d: intact fail: %s", step, detail)
             verdicts.write(self.options.workdir, self._verdict(step, manifest, "intact", "fail", detail, {},
                                                                 mismatch={"kind": "leaf", "where": changed[0],
-                                                                          "expected": None, "actual": None}))
+                                                                          "expected": None, "actual": None}),
+                           replace=True)  # evidence that the verdict no longer describes the step on disk
         raise CorruptCheckpointError(f"step {step}: {detail}")
 
     def _exact(self, first: int, last: int, manifest: dict, program) -> bool:

@@ -1,22 +1,32 @@
 """Which run a workdir holds, and whether a step belongs to it.
 
-A workdir has one run: the fixed config (the fields a resume must not change, their hash), the
-program and the init_from of its oldest committed step whose manifest is consistent (its config's
-fixed fields are its recorded fixed_fields and hash to its fixed_hash). A step whose identity
-differs (another seed, another learning rate, another program, a config field this run does not
-have, a config value that is not its fixed field) is not this run's: its verdict fails naming the
-field, and a proof always starts from the run's init, never from a differing step's config.
+The run's identity (its fixed config, the fields and their hash; its program; the init_from it started
+from) comes from the run's own record, `<workdir>/run.json`, written once at its first start
+(checkpointing/run_record.py). A workdir from before that record has none: its identity is then the one
+most of its committed, consistent manifests share (consistent: the config's fixed fields are the recorded
+fixed_fields and hash to the fixed_hash); a tie goes to the identity of the newest such step, the run a
+relaunch continues (the trainer checks a relaunch's config against its newest step). Either way a foreign
+step (another seed, another learning rate, another program or origin) is not this run's wherever it lies,
+oldest or not: its verdict fails naming the field, and a proof always starts from the run's init, never
+from a differing step's config. Fields outside the fixed config may come and go between steps (a version
+that records a new one); a fixed field a manifest's own config contradicts is damage.
 """
 
 import hashlib
 import json
+from collections import Counter
 
-from checkpointing.errors import CheckpointError
+from absl import logging
+
+from checkpointing import run_record
+from checkpointing.errors import CheckpointError, ManifestError
 from checkpointing.workdir import read_manifest
+
+RECORD = "the run's record (run.json)"
 
 
 def fixed_hash(fixed_fields: dict) -> str:
-    """The hash a manifest records for its fixed fields (checkpointing/service.py RunMetadata.of_run)."""
+    """The hash a manifest records for its fixed fields (checkpointing/run_metadata.py RunMetadata.of_run)."""
     return hashlib.sha256(json.dumps(fixed_fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -36,40 +46,62 @@ def inconsistency(manifest: dict) -> str | None:
     return None
 
 
-def run_manifest(workdir: str, committed: list[int]) -> dict | None:
-    """The manifest that names the run (its oldest consistent committed step's), or None."""
+def run_identity(workdir: str, committed: list[int]) -> dict | None:
+    """The run's identity: {fixed_fields, fixed_hash, program, init_from, origin} from its record, else
+    the one most consistent manifests share (module docstring); None if neither exists. Read only: the
+    verifier never writes the record."""
+    try:
+        record = run_record.read(workdir)
+    except ManifestError as err:
+        logging.warning("%s; the run's identity is the one most of its steps share", err)
+        record = None
+    if record is not None:
+        return {**{field: record[field] for field in run_record.IDENTITY_FIELDS}, "origin": RECORD}
+    return _shared_by_most(workdir, committed)
+
+
+def _shared_by_most(workdir: str, committed: list[int]) -> dict | None:
+    steps_of: dict[str, list[int]] = {}
+    identities: dict[str, dict] = {}
     for step in committed:
         try:
             manifest = read_manifest(workdir, step)
         except CheckpointError:
             continue
-        if inconsistency(manifest) is None:
-            return manifest
-    return None
+        if inconsistency(manifest) is not None:
+            continue
+        found = {field: manifest.get(field) for field in run_record.IDENTITY_FIELDS}
+        key = json.dumps(found, sort_keys=True)
+        identities.setdefault(key, found)
+        steps_of.setdefault(key, []).append(step)
+    if not steps_of:
+        return None
+    counts = Counter({key: len(steps) for key, steps in steps_of.items()})
+    chosen = max(counts, key=lambda key: (counts[key], max(steps_of[key])))  # most steps; a tie: the newest step
+    steps = steps_of[chosen]
+    origin = f"the run of step {steps[0]}" if len(steps) == 1 else (
+        f"the run of steps {steps[0]}..{steps[-1]} ({len(steps)} of {sum(counts.values())} steps)")
+    return {**identities[chosen], "origin": origin}
 
 
 def difference(step: int, manifest: dict, run: dict | None) -> str | None:
-    """Why `step` (its `manifest`) is not the run's, naming the field; None if it is."""
+    """Why `step` (its `manifest`) is not the run's (`run`: run_identity()), naming the field; None if it is."""
     problem = inconsistency(manifest)
     if problem is not None:
         return f"step {step} manifest is damaged: {problem}"
-    if run is None or run is manifest:
+    if run is None:
         return None
-    origin = f"the run of step {run['step']}"
+    origin = run["origin"]
     saved, own = run["fixed_fields"], manifest["fixed_fields"]
     differing = sorted(name for name in set(saved) | set(own) if saved.get(name) != own.get(name))
     if differing or manifest["fixed_hash"] != run["fixed_hash"]:
         details = ", ".join(f"{name} {own.get(name)!r} vs {saved.get(name)!r} in {origin}" for name in differing)
         return f"step {step} is not this run's: its fixed config differs ({details or 'fixed_hash'})"
-    unknown = sorted(set(manifest["config"]) - set(run["config"]))
-    if unknown:
-        return f"step {step} is not this run's: unknown config field(s) {', '.join(map(repr, unknown))}"
     for field in ("program", "init_from"):
         if manifest.get(field) != run.get(field):
             return (f"step {step} is not this run's: its {field} {manifest.get(field)!r} vs {run.get(field)!r} "
                     f"in {origin}")
     return None
-
 
 
 def init_origin(manifest: dict) -> str:

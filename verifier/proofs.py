@@ -31,15 +31,15 @@ from jax.sharding import AxisType
 
 from checkpointing import compare
 from checkpointing import content
-from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import verdicts
 from checkpointing.errors import (CheckpointError, FingerprintMismatchError, StorageUnavailableError,
                                   TreeMismatchError)
 from checkpointing.service import CheckpointService
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.workdir import committed_steps, is_committed, read_manifest
 from trainer.config import MESH_AXES
 from runtime import collective
+from verifier import faults
 from verifier import identity
 from verifier import layouts
 from verifier import program as program_lib
@@ -48,6 +48,9 @@ from verifier import tolerances as tolerances_lib
 from verifier.budget import ProofBudget
 from verifier.chain_proof import INIT, Anchor, ChainProofs  # noqa: F401 (INIT: re-exported)
 
+# A step being deleted (Orbax removes its files one by one) is still listed meanwhile: a file found
+# missing is looked at again this long before it is called evidence.
+DELETION_SECS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class VerifierOptions:
     # --measure_noise: replay across layouts again on the verifier's other layouts (verifier/evidence.py); off,
     # a proof across layouts rests on the bounds the program declares (one replay: half the compute)
     measure_noise: bool = True
+    reverify: tuple[int, ...] | str = ()  # --reverify: steps whose complete verdicts are redone, or "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +91,7 @@ class StepProofs(ChainProofs):
         self._anchor: Anchor | None = None  # the newest step this process proved
         self._budget = ProofBudget(options.verify_budget)
         self._mesh = None
-        self._run: dict | None = None  # the manifest naming the run (verifier/identity.py)
+        self._run: dict | None = None  # the run's identity (verifier/identity.py)
 
     def mesh(self):
         """The verifier's own mesh: --mesh over all its devices (data=<devices> by default)."""
@@ -98,10 +102,10 @@ class StepProofs(ChainProofs):
         return self._mesh
 
     def run_manifest(self) -> dict | None:
-        """The manifest naming this workdir's run (verifier/identity.py), found once and kept: a
-        retention that deletes that step later does not change which run the workdir holds."""
+        """The run's identity (verifier/identity.py run_identity: its fixed config, program and init_from),
+        found once and kept: a retention that deletes steps later does not change which run the workdir holds."""
         if self._run is None:
-            self._run = identity.run_manifest(self.options.workdir, committed_steps(self.options.workdir))
+            self._run = identity.run_identity(self.options.workdir, committed_steps(self.options.workdir))
         return self._run
 
     def _program_for(self, manifest: dict, mesh=None):
@@ -129,8 +133,8 @@ class StepProofs(ChainProofs):
     # --- one step ------------------------------------------------------------------------------
 
     def _intact(self, step: int) -> tuple[dict, HeldStep | None]:
-        """(verdict, None) when `step` is not intact (complete), else (its intact verdict, what its
-        replay needs, restored once)."""
+        """(verdict, None) when `step` is not intact (complete; an error is not), else (its intact verdict,
+        what its replay needs, restored once)."""
         durations, started = {}, time.perf_counter()
         manifest = {}
         try:
@@ -143,19 +147,8 @@ class StepProofs(ChainProofs):
             program = self._program_for(manifest)
             state = self._service.restore(step, program.abstract_state).state
             inputs = program_lib.input_states(self.options.workdir, step, program)
-        except program_lib.ProgramError as err:
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
-        except (FingerprintMismatchError, TreeMismatchError) as err:
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations,
-                                 mismatch=_leaf_mismatch(err)), None
-        except CheckpointError as err:
-            if step not in committed_steps(self.options.workdir):
-                return self._verdict(step, manifest, "intact", "gone", f"deleted while being verified ({err})",
-                                     durations), None
-            return self._verdict(step, manifest, "intact", "fail", str(err), durations), None
-        except (KeyError, TypeError, ValueError, AttributeError) as err:  # anything else wrong inside the manifest
-            return self._verdict(step, manifest, "intact", "fail", f"step {step} cannot be proved from its manifest "
-                                 f"({type(err).__name__}: {_first_line(err)})", durations), None
+        except Exception as err:  # evidence or the verifier's own fault: verifier/faults.py decides which
+            return self._not_proved(step, manifest, "intact", err, durations, evidence_possible=True), None
         durations["restore"] = time.perf_counter() - started
         problem = _intact_problem(step, state)
         if problem:
@@ -166,14 +159,41 @@ class StepProofs(ChainProofs):
                                complete=False)
         return intact, HeldStep(state, manifest, program, durations, inputs)
 
+    def _not_proved(self, step: int, manifest: dict, level: str, err: Exception, durations: dict, *,
+                    evidence_possible: bool) -> dict:
+        """The verdict of a proof that raised `err`: `gone` if the step was deleted meanwhile, `fail` on evidence
+        against it (only where the step's own files were being read), else `error` (verifier/faults.py),
+        written incomplete so that the next verifier run retries it."""
+        if self._deleted(step, err):
+            return self._verdict(step, manifest, level, "gone", f"deleted while being verified ({_first_line(err)})",
+                                 durations)
+        if evidence_possible and faults.is_evidence(err):
+            mismatch = _leaf_mismatch(err) if isinstance(err, (FingerprintMismatchError, TreeMismatchError)) else None
+            return self._verdict(step, manifest, level, "fail", _first_line(err) or type(err).__name__, durations,
+                                 mismatch=mismatch)
+        logging.warning("step %d: the verifier could not prove it: %s", step, faults.cause(err))
+        logging.vlog(1, "step %d: where the proof stopped", step, exc_info=err)  # one line unless -v=1
+        return self._verdict(step, manifest, level, "error", faults.cause(err), durations, complete=False)
+
+    def _deleted(self, step: int, err: Exception | None = None) -> bool:
+        """Whether `step` was deleted (retention) while it was proved. A step is removed file by file while it
+        is still listed: a file missing from it is looked at again for up to DELETION_SECS."""
+        deadline = time.monotonic() + (DELETION_SECS if err is not None and faults.is_missing_file(err) else 0)
+        while is_committed(self.options.workdir, step):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
         """The complete verdict of an intact step: the cheap proof where the trainer recorded a probe
         (verifier/resume_proof.py), then the full proof where the budget gives one (verifier/budget.py).
         None: under --follow its probe is still to come (the trainer records it k steps after the save)."""
         manifest = held.manifest
         final = manifest.get("reason") == "final"
-        probe = self._agreed_probe(step, manifest)
-        if probe is None and collective.decided_by_primary(lambda: self._awaits_probe(step, final)):
+        probe = resume_proof.agreed_probe(self.options.workdir, step, manifest)
+        if probe is None and collective.decided_by_primary(
+                lambda: resume_proof.awaits_probe(self.options, step, final)):
             return None
         resume = None
         if probe is not None:
@@ -225,28 +245,6 @@ class StepProofs(ChainProofs):
                              max_difference=resume.largest, replayed_from=step, replayed=resume.steps,
                              compared=resume.compared_losses, judgement=None if resume.exact else resume.judgement)
 
-    def _agreed_probe(self, step: int, manifest: dict) -> dict | None:
-        """The save's probe, if process 0 sees one (every process then replays it: one plan)."""
-        probe = probes.for_save(self.options.workdir, step, manifest.get("digest"))
-        if not collective.decided_by_primary(lambda: probe is not None):
-            return None
-        return probe or probes.for_save(self.options.workdir, step, manifest.get("digest"))
-
-    def _awaits_probe(self, step: int, final: bool) -> bool:
-        """Under --follow with a budget below 1, a save waits for its probe while the trainer may still
-        record it: the run's final step is not committed, and no later save has a probe yet."""
-        if not self.options.follow or final or self.options.verify_budget >= 1.0:
-            return False
-        for later in (s for s in reversed(committed_steps(self.options.workdir)) if s > step):
-            try:
-                later_manifest = read_manifest(self.options.workdir, later)
-            except CheckpointError:
-                continue
-            if later_manifest.get("reason") == "final" or probes.for_save(self.options.workdir, later,
-                                                                          later_manifest.get("digest")):
-                return False
-        return True
-
     def _replay(self, program, state, start_step: int, count: int, batches=None):
         return program_lib.replay_losses(program, state, start_step, count, batches)
 
@@ -263,6 +261,7 @@ class StepProofs(ChainProofs):
     def _mesh_shape(self) -> dict:
         return dict(self.mesh().shape)
 
+
 def _intact_problem(step: int, state) -> compare.Mismatch | None:
     """What is wrong with a restored state on its own: its counter, or a NaN/Inf in a leaf."""
     try:
@@ -277,7 +276,7 @@ def _intact_problem(step: int, state) -> compare.Mismatch | None:
 
 
 def _first_line(err: Exception) -> str:
-    return str(err).splitlines()[0] if str(err) else ""
+    return str(err).strip().splitlines()[0] if str(err).strip() else ""
 
 
 def _leaf_mismatch(err: Exception) -> dict:

@@ -17,6 +17,9 @@ import jax
 
 from checkpointing import compare
 from checkpointing import probes
+from checkpointing.errors import CheckpointError
+from checkpointing.workdir import committed_steps, read_manifest
+from runtime import collective
 from verifier import evidence
 from verifier import layouts
 from verifier import program as program_lib
@@ -91,6 +94,30 @@ def prove(replay, program, start_state, step: int, probe: dict, manifest: dict,
             judgement = judge() if any(floors) else evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
     status, detail = layouts.verdict_of(judgement, manifest)
     return ResumeResult(judgement, status, detail, count, probe["summary_step"], len(recorded), largest, exact)
+
+
+def agreed_probe(workdir: str, step: int, manifest: dict) -> dict | None:
+    """The save's probe, if process 0 sees one (every process then replays it: one plan)."""
+    probe = probes.for_save(workdir, step, manifest.get("digest"))
+    if not collective.decided_by_primary(lambda: probe is not None):
+        return None
+    return probe or probes.for_save(workdir, step, manifest.get("digest"))
+
+
+def awaits_probe(options, step: int, final: bool) -> bool:
+    """Under --follow with a budget below 1, a save waits for its probe while the trainer may still record it:
+    the run's final step is not committed, and no later save has a probe yet. `options`: VerifierOptions."""
+    if not options.follow or final or options.verify_budget >= 1.0:
+        return False
+    for later in (s for s in reversed(committed_steps(options.workdir)) if s > step):
+        try:
+            later_manifest = read_manifest(options.workdir, later)
+        except CheckpointError:
+            continue
+        if later_manifest.get("reason") == "final" or probes.for_save(options.workdir, later,
+                                                                      later_manifest.get("digest")):
+            return False
+    return True
 
 
 def _replayed(replay, program, start_state, step: int, count: int, recorded_pass: str, batches):

@@ -29,7 +29,9 @@ from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
 from verifier.commit_watch import CommitWatch
+from verifier.faults import VerdictWriteError
 from verifier.forecast import CommitForecast
+from verifier.ledger import Ledger
 from verifier.proofs import HeldStep, StepProofs, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
@@ -57,12 +59,14 @@ class Verifier(StepProofs):
         self._planned: set[int] = set()  # the pending steps of the current plan: any other is a new commit
         self._watch: CommitWatch | None = None  # --follow, process 0: what tells it the workdir changed
         self._forecast: CommitForecast | None = None  # --follow, process 0: when to wait for a commit
+        self.ledger = Ledger(options.workdir, options.reverify)  # pending, not retried, redone; the exit line
 
     def pending_steps(self) -> list[int]:
         return self._pending_and_proved()[0]
 
     def _pending_and_proved(self) -> tuple[list[int], list[int]]:
-        """(committed steps without a complete verdict, committed proved steps), oldest first.
+        """(committed steps without a complete verdict or named by --reverify, less those this process will
+        not try again: verifier/ledger.py; committed proved steps), oldest first.
 
         Reads the verdicts of committed steps only (retention bounds them), never every verdict a
         long run wrote; a set-aside step's verdict has moved out with it, and a verdict counts only
@@ -71,8 +75,8 @@ class Verifier(StepProofs):
         """
         committed = committed_steps(self.options.workdir)
         found = verdicts.current_steps(self.options.workdir, committed)  # a replaced step's verdict is none
-        pending = [step for step in committed if step not in found or not found[step]["complete"]]
-        return pending, [step for step in committed if verdicts.is_proved(found.get(step))]
+        proved = [step for step in committed if verdicts.is_proved(found.get(step))]
+        return self.ledger.pending(committed, found), proved
 
     def verify_pending(self, max_steps: int | None = None) -> list[dict]:
         """Proves the pending steps (the oldest `max_steps` of them; None: all) once each, writes
@@ -114,7 +118,7 @@ class Verifier(StepProofs):
                 self._proving = step
                 held = self._held.pop(step)
                 try:
-                    verdict = self._prove(step, held, disk_anchor)
+                    verdict = self._replayed_verdict(step, held, disk_anchor)
                 finally:
                     self._proving = None
                 if verdict is None:  # its probe is still to come: held for the next pass
@@ -123,6 +127,21 @@ class Verifier(StepProofs):
                 self._write(verdict)
                 written.append(verdict)
         return written
+
+    def _replayed_verdict(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
+        """_prove's verdict; `gone` if the step was deleted meanwhile, wherever in the proof; `error` if the
+        proof raised (never evidence once the step restored intact: verifier/faults.py)."""
+        try:
+            verdict = self._prove(step, held, disk_anchor)
+        except (Stopped, VerdictWriteError):
+            raise
+        except Exception as err:  # noqa: BLE001  classified by verifier/faults.py
+            return self._not_proved(step, held.manifest, "reproduced", err, held.durations, evidence_possible=False)
+        if verdict is not None and self._deleted(step):
+            return {**verdict, "status": "gone", "mismatch": None,
+                    "detail": f"deleted while being verified (before its {verdict['level']} verdict was written: "
+                              f"{verdict['status']}, {verdict['detail']})"}
+        return verdict
 
     def _hold_if_intact(self, step: int) -> dict | None:
         """Restores `step` (unless held) and writes its intact verdict; holds its state for the
@@ -200,9 +219,8 @@ class Verifier(StepProofs):
         return self._watch is None or not self._watch.watching or self._watch.changed()
 
     def _write(self, verdict: dict) -> None:
-        if jax.process_index() != 0:
+        if not self.ledger.write(verdict, primary=jax.process_index() == 0):  # process 0 writes; refusals logged
             return
-        verdicts.write(self.options.workdir, verdict)
         logging.vlog(1, "wrote the %s verdict of step %d (%s)", "complete" if verdict["complete"] else "first",
                      verdict["step"], verdict["level"])
         if verdict["complete"]:

@@ -2,9 +2,12 @@
 
 A separate process with its own devices and mesh. It reads the trainer's checkpoints (never
 changes them), proves each committed step (verifier/proofs.py) and writes a verdict per step.
---once verifies what is pending and exits: 0 if every committed step's verdict passed, 1 if any
-failed, 2 for bad input. --follow keeps following until --until_step, or the run's final
-checkpoint, is verified, or until SIGTERM; same exit codes. On a local workdir it notices a commit
+--once verifies what is pending and exits: 0 if no committed step's verdict failed and the verifier
+proved (or found inconclusive, with a warning) every one; 1 if any failed (evidence) or the verifier
+could not prove one (a fault of its own, retried by its next run: verifier/faults.py), one last line
+naming the steps; 2 for bad input. --follow keeps following until --until_step, or the run's final
+checkpoint, is verified, or until SIGTERM; same exit codes. --reverify=STEPS|all redoes those steps'
+verdicts (a complete one is otherwise never redone). On a local workdir it notices a commit
 within milliseconds (verifier/commit_watch.py); on gs:// it polls with backoff. --tolerances=FILE
 compares across layouts with what `python -m verifier.calibrate` measured for the run's model
 instead of its spec's.
@@ -16,7 +19,6 @@ import threading
 import jax
 from absl import flags, logging
 
-from checkpointing import verdicts
 from checkpointing.workdir import committed_steps
 from checkpointing.errors import VerificationFailedError
 from checkpointing.storage import check_workdir
@@ -25,6 +27,7 @@ from checkpointing.config import ConfigError
 from trainer import compile_cache
 from trainer.config import check_mesh, parse_mesh
 from verifier import tolerances
+from verifier.ledger import ALL
 from verifier.verifier import Verifier, VerifierOptions
 
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
@@ -51,6 +54,9 @@ UNTIL_STEP = flags.DEFINE_integer("until_step", None, "--follow: exit once this 
 POLL_SECS = flags.DEFINE_float("poll_secs", 1.0, "--follow: first wait between listings (doubles while idle); "
                                "on a local workdir a commit ends the wait at once.", lower_bound=0.01)
 MAX_POLL_SECS = flags.DEFINE_float("max_poll_secs", 30.0, "--follow: longest wait between listings.", lower_bound=0.01)
+REVERIFY = flags.DEFINE_string(
+    "reverify", "", "Redo these steps' verdicts (a comma list of committed steps, or 'all'), complete ones "
+    "included; without it a complete verdict of a step's save is never redone.")
 # How strictly this verifier compares across layouts is its own setting, not the run's: the trainer
 # never reads it, so it is not in the run's config, manifest or identity (docs/verifier.md).
 TOLERANCES = flags.DEFINE_string(
@@ -63,9 +69,19 @@ MEASURE_NOISE = flags.DEFINE_boolean(
     "a proof across layouts rests on the bounds the model declares (inconclusive where it declares none).")
 
 
-def failing_steps(workdir: str) -> list[int]:
-    found = verdicts.current_steps(workdir, committed_steps(workdir))
-    return [step for step, verdict in found.items() if verdict["status"] == "fail"]
+def reverify_steps(text: str, workdir: str) -> tuple[int, ...] | str:
+    """--reverify's steps (ledger.ALL for 'all'); ConfigError (exit 2) naming one that is not committed."""
+    if text.strip() == ALL:
+        return ALL
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(part.isdigit() for part in parts):
+        raise ConfigError(f"--reverify={text}: give committed step numbers separated by commas, or all")
+    committed = committed_steps(workdir)
+    missing = sorted({int(part) for part in parts} - set(committed))
+    if missing:
+        raise ConfigError(f"--reverify={text}: not committed in {workdir}: {missing} "
+                          f"(committed: {committed or 'none'})")
+    return tuple(sorted({int(part) for part in parts}))
 
 
 def main(argv: list[str]) -> int:
@@ -84,12 +100,13 @@ def main(argv: list[str]) -> int:
     workdir = check_workdir(WORKDIR.value, must_exist=ONCE.value)  # absolute from here on
     mesh = parse_mesh(MESH.value)
     check_mesh(mesh, jax.device_count())
+    reverify = reverify_steps(REVERIFY.value, workdir) if REVERIFY.value else ()
     cache_dir = COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     options = VerifierOptions(workdir=workdir, mesh=mesh, replay_steps=REPLAY_STEPS.value,
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured,
-                              measure_noise=MEASURE_NOISE.value)
+                              measure_noise=MEASURE_NOISE.value, reverify=reverify)
     # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -101,9 +118,9 @@ def main(argv: list[str]) -> int:
         verifier.verify_pending()
     else:
         verifier.follow(stop, until_step=UNTIL_STEP.value)
-    failing = failing_steps(workdir)
-    if failing:
-        raise VerificationFailedError(f"failing verdicts for steps {failing}")
+    line = verifier.ledger.exit_line(committed_steps(workdir))  # evidence first, then the verifier's faults
+    if line is not None:
+        raise VerificationFailedError(line)
     return exit_codes.OK
 
 
