@@ -50,7 +50,7 @@ class Checkpointer:
         abstract target).
       total_steps: the run's last step; a save there is "final", and no preemption save is made there.
       program: "package.module:factory" that builds the run's replay program for the verifier
-        (checkpointing/replay.py); None for a run the verifier should not replay.
+        (the replay protocol: docs/api.md, verifier/program.py); None for a run the verifier should not replay.
       watchdog: bounds every wait (a dead peer, a stuck commit); by default one of `watchdog_secs`.
       data_iterator: a Grain iterator whose position is not a function of the step (a filter, packing):
         every persistent save holds its state, one file per process, and a restore sets it back

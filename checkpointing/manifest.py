@@ -20,7 +20,7 @@ Fields:
   process_index  local steps: the process that wrote it; with mesh and process_count, its layout
   local_shards   local steps: digest of the shards that process holds (checkpointing/local_tier.py)
   program        optional: "package.module:factory", what the verifier imports to replay the run
-                 (checkpointing/replay.py); absent: the built-in trainer's program
+                 (verifier/program.py); absent: the built-in trainer's program
   init_from      optional: {"workdir", "step", "digest"}, the other run's committed step whose params
                  this run started from (--init_from); its proofs start there, not at the seed
   platform       optional: {"backend", "device_kind", "jax", "jaxlib", "libtpu" (str or null),

@@ -15,7 +15,7 @@ class RunMetadata:
     fixed_fields: dict  # fields a resume must not change
     fixed_hash: str
     mesh: dict[str, int]
-    program: str | None = None  # "package.module:factory" the verifier replays with (checkpointing/replay.py)
+    program: str | None = None  # "package.module:factory" the verifier replays with (verifier/program.py)
     init_from: dict | None = None  # {"workdir", "step", "digest"}: the other run's step this one started from
     total_steps: int | None = None  # the run's last step: the verifier knows the final save while it is written
 

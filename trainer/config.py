@@ -24,7 +24,7 @@ MESH_AXES = ("data", "model")
 class TrainConfig:
     workdir: str = option("", "Checkpoints, verdicts and metrics live here (local path or gs://).")
     model: str = option("mlp", "mlp, transformer, or your own: package.module:name naming a "
-                               "trainer.models.ModelSpec (see the README).")
+                               "trainer.models.ModelSpec (docs/training.md).")
     steps: int = option(100, "Total optimizer steps of the run; a resume continues up to this step.", minimum=1)
     mesh: tuple[tuple[str, int], ...] = option(
         (), "Axis sizes by name, e.g. data=4,model=2; a missing axis is 1; the product must equal the "

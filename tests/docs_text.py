@@ -1,0 +1,127 @@
+"""What tests/test_docs.py reads out of the README and docs/*.md: the names docs/api.md lists, the
+commands the docs give with their flags, the code blocks of the sections marked as run, the links.
+
+The matching is deliberately simple, and these are its rules:
+- a command is `python -m <module>` anywhere (a code block or inline code; `.venv/bin/python -m`
+  too), or `bash launch/demo.sh` (which passes its arguments to `launch.demo`); its flags are the
+  `--name` words after it in the same command: up to the end of the line (a line ending in `\\`
+  goes on), a backtick (inline code ends), `&&`, ` -- ` (a launcher passing the rest on), ` #` (a
+  shell comment) or the next command;
+- the names docs/api.md lists are the leading identifier of every backticked item in the first
+  column of its tables whose first header is `name`, and every name of a `from checkpointing import`;
+- a section is run when its `## ` heading is followed by a blank line and the marker comment
+  `<!-- tests/test_docs.py runs ...`: every ```python block in it, up to the next `## ` heading.
+"""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN_MARKER = "<!-- tests/test_docs.py runs"
+
+COMMAND = re.compile(r"python -m ([A-Za-z_]\w*(?:\.\w+)+)|bash (launch/demo\.sh)")
+SCRIPTS = {"launch/demo.sh": "launch.demo"}  # a script that runs a module with its own arguments
+FLAG = re.compile(r"(?<![\w-])--([A-Za-z]\w*)")
+ENDS = ("`", "&&", " -- ", " #")
+
+
+def relative(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def joined_lines(text: str) -> list[str]:
+    """The lines of `text`, a line ending in a backslash joined with the next (shell continuation)."""
+    return re.sub(r"\\\n", " ", text).splitlines()
+
+
+def documented_commands() -> dict[str, dict[str, set[str]]]:
+    """{module: {flag name: the docs that give it}} for every `python -m module` in the docs."""
+    commands: dict[str, dict[str, set[str]]] = {}
+    for path in DOCS:
+        for line in joined_lines(path.read_text()):
+            matches = list(COMMAND.finditer(line))
+            for i, match in enumerate(matches):
+                end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+                words = line[match.end():end]
+                for stop in ENDS:
+                    words = words.split(stop)[0]
+                flags = commands.setdefault(match.group(1) or SCRIPTS[match.group(2)], {})
+                for name in FLAG.findall(words):
+                    flags.setdefault(name, set()).add(relative(path))
+    return commands
+
+
+def help_flags(help_text: str) -> set[str]:
+    """Every flag name an absl `--helpfull` lists (`--name`, `--[no]name`), and `noname` for a boolean."""
+    names = set(re.findall(r"--(?:\[no\])?([A-Za-z]\w*)", help_text))
+    booleans = re.findall(r"--\[no\]([A-Za-z]\w*)", help_text)
+    return names | {f"no{name}" for name in booleans}
+
+
+def api_names(text: str) -> set[str]:
+    """Every `checkpointing` name docs/api.md lists: `Checkpointer`, `Checkpointer.on_step`, ..."""
+    names = set()
+    header = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        first = line.split("|")[1].strip()
+        if header is None:
+            header = first
+            continue
+        if header == "name" and not set(first) <= set("-: "):
+            names.update(re.findall(r"`([A-Za-z_]\w*(?:\.\w+)?)", first))
+    for parenthesized, line in re.findall(r"from checkpointing import (?:\(([^)]*)\)|([^\n]+))", text):
+        names.update(re.findall(r"\w+", parenthesized or line.split("#")[0]))
+    return names
+
+
+def run_sections(path: pathlib.Path) -> list[tuple[str, list[tuple[int, str]]]]:
+    """[(heading, [(line number, code)])] of every section of `path` marked to be run."""
+    lines = path.read_text().splitlines()
+    sections = []
+    for number, line in enumerate(lines):
+        if line.startswith("## ") and number + 2 < len(lines) and lines[number + 2].startswith(RUN_MARKER):
+            sections.append((line[3:], python_blocks(lines, number + 1)))
+    return sections
+
+
+def python_blocks(lines: list[str], start: int) -> list[tuple[int, str]]:
+    """The ```python blocks from line index `start` to the next `## ` heading, with their line numbers."""
+    blocks, current, first = [], None, 0
+    for number in range(start, len(lines)):
+        line = lines[number]
+        if current is None and line.startswith("## "):
+            break
+        if current is None and line.strip() == "```python":
+            current, first = [], number + 2
+        elif current is not None and line.strip() == "```":
+            blocks.append((first, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+def local_links(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(target file, anchor or "") of every relative markdown link in `path`."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    links = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        file, _, anchor = target.partition("#")
+        links.append((file, anchor))
+    return links
