@@ -174,7 +174,7 @@ def test_a_proved_step_whose_content_is_not_what_its_verdict_proved_is_not_resum
     assert all(set(found[s]["content_sha256"]) == set(read_manifest(workdir, s)["leaves"]) for s in (10, 20, 30))
     verdict = verdicts.read(workdir, 30)
     verdict["content_sha256"][".params['Dense_0']['kernel']"] = "0" * 64
-    verdicts.write(workdir, verdict)
+    assert verdicts.write(workdir, verdict, replace=True)
     result = train_subprocess(workdir, 40, f"--resume_from={resume_from}")
     assert "resumed from step 20" in result.stderr, result.stderr[-3000:]
     assert "step 30: leaf .params['Dense_0']['kernel'] is not the content its verdict proved" in result.stderr
