@@ -73,3 +73,13 @@ def test_a_rollback_is_refused_naming_the_flag_and_with_it_moves_newer_steps_and
     assert sum(name.endswith(".verdict.json") for name in moved) == 2
     assert committed_steps(workdir) == [10, 20, 30]
     assert verdicts.read(workdir, 20) is None and verdicts.read(workdir, 30) is None  # the new saves are unproved
+
+
+def test_an_eval_the_model_cannot_run_is_refused_before_anything_is_written(tmp_path):
+    """A loss that carries model state (BatchNorm) has no plain eval: refused with the other checks, before the
+    workdir, its lease or its run record exist (before: after the Checkpointer had opened)."""
+    workdir = str(tmp_path / "run")
+    before = helpers.disk_state(workdir)
+    result = helpers.run_module("trainer.train", f"--workdir={workdir}", "--model=examples.cnn_model:spec",
+                                "--eval_every_steps=5", f"--eval_data=records:{tmp_path}/eval-*.array_record")
+    helpers.assert_refused(result, before, "--eval_every_steps=5: the model's loss carries model state")

@@ -197,6 +197,11 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
     spec = models.resolve(config.model)
     config = check_training_fields(config, spec)
     spec.check_config(config)
+    if config.eval_every_steps and not config.eval_data:  # refused before anything is written, as every check
+        raise ConfigError(f"--eval_every_steps={config.eval_every_steps} needs --eval_data=records:<glob>")
+    if config.eval_every_steps and spec.takes_model_state:
+        raise ConfigError(f"--eval_every_steps={config.eval_every_steps}: the model's loss carries model state "
+                          "(BatchNorm, dropout); evaluation supports losses of (params, batch) only")
     if not config.mesh:
         config = dataclasses.replace(config, mesh=(("data", device_count),))
     check_mesh(config.mesh, device_count)

@@ -30,17 +30,12 @@ class Evaluator:
     def __init__(self, program):
         config = program.config
         self.every_steps = config.eval_every_steps
-        source = program.inputs.eval_batches if program.inputs is not None else None
-        if source is None:
-            raise ValueError(f"--eval_every_steps={self.every_steps} needs --eval_data=records:<glob>")
+        source = program.inputs.eval_batches  # trainer/config.py validate: --eval_data given, a plain loss
         with jax.transfer_guard_host_to_device("allow"):  # read once; the loop itself sends only steps
             self.batches = tuple(source(step) for step in range(config.eval_batches))
         source.close()
         self.is_lm = tokens_per_example(program.abstract_batch) is not None
         loss_fn = program.loss_fn
-        if loss_fn is None:
-            raise ValueError(f"--eval_every_steps={self.every_steps}: the model's loss carries model state "
-                             "(BatchNorm, dropout); evaluation supports losses of (params, batch) only")
 
         def mean_loss(params, batches):
             return jnp.mean(jnp.stack([loss_fn(params, batch) for batch in batches]))
