@@ -8,21 +8,16 @@ is how a user says to start over.
 """
 
 import errno
-import glob
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from checkpointing import reads
 from checkpointing.errors import CorruptCheckpointError, StorageUnavailableError
 from checkpointing.workdir import committed_steps
-from tests import helpers, tamper
+from tests import eio, helpers, tamper
 from trainer import loop
 
 RUN = {**helpers.SHARED_RUN, "steps": 30}  # commits 10, 20 and 30
@@ -69,50 +64,16 @@ def test_damage_is_evidence_at_once_without_retrying(no_backoff, error):
     assert read.calls == 1
 
 
-def _array_files(workdir: str, steps) -> list[str]:
-    return sorted(path for step in steps for path in glob.glob(
-        os.path.join(helpers.checkpoint_dir(workdir, str(step)), "state", "**", "d", "*"), recursive=True))
-
-
-def _strace_eio(trace, pid: int, files: list[str]) -> subprocess.Popen:
-    """strace attached to `pid` (its threads, and those it starts), failing every read of `files` with EIO."""
-    paths = [arg for path in files for arg in ("-P", path)]
-    return subprocess.Popen([helpers.strace(), "-f", "-qq", "-o", str(trace), "-p", str(pid), *paths,
-                             "-e", "trace=pread64,read,preadv", "-e", "inject=pread64,read,preadv:error=EIO"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def _resume_under_eio(tmp_path, workdir: str, files: list[str], *, until: str | None = None):
-    """The trainer resumed to step 40 while strace fails the reads of `files` with EIO: to the end, or
-    until its log shows `until` (then strace detaches, and the reads succeed again). Returns its result
-    (stderr: its log) and how many reads were failed."""
-    log_path, trace = tmp_path / "train.log", tmp_path / "strace.out"
-    with open(log_path, "w") as log:
-        trainer = subprocess.Popen([sys.executable, "-m", "trainer.train", f"--workdir={workdir}", "--steps=40",
-                                    *helpers.SMALL_FLAGS], env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT,
-                                   stdout=subprocess.DEVNULL, stderr=log)
-    tracer = _strace_eio(trace, trainer.pid, files)  # attached long before the restore: JAX takes seconds to import
-    try:
-        if until is not None:
-            deadline = time.monotonic() + 120
-            while until not in log_path.read_text() and trainer.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            tracer.send_signal(signal.SIGTERM)  # detaches: the trainer goes on, its reads no longer fail
-        tracer.wait(timeout=60)
-        trainer.wait(timeout=300)
-    finally:
-        for process in (tracer, trainer):
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
-    result = subprocess.CompletedProcess(trainer.args, trainer.returncode, "", log_path.read_text())
-    return result, trace.read_text().count("(INJECTED)")
+    """The trainer resumed to step 40 while the reads of `files` fail with EIO (tests/eio.py)."""
+    return eio.run_under_eio(tmp_path, "trainer.train", [f"--workdir={workdir}", "--steps=40", *helpers.SMALL_FLAGS],
+                             files, until=until)
 
 
 @pytest.mark.slow
 def test_a_transient_eio_is_retried_and_the_resume_takes_the_newest_step(tmp_path, trained_copy, trained_runs):
     config = trained_copy(**RUN)
-    result, injected = _resume_under_eio(tmp_path, config.workdir, _array_files(config.workdir, [10, 20, 30]),
+    result, injected = _resume_under_eio(tmp_path, config.workdir, eio.array_files(config.workdir, [10, 20, 30]),
                                          until="attempt 2 of 4")
     assert injected >= 1, "no read was failed: the test proves nothing"
     assert result.returncode == 0, result.stderr[-3000:]
@@ -131,7 +92,7 @@ def test_a_lasting_eio_is_exit_1_naming_step_path_and_cause_and_nothing_is_set_a
     config = trained_copy(**RUN)
     before = helpers.committed_snapshot(config.workdir)
     metrics = open(os.path.join(config.workdir, "metrics.jsonl")).read()
-    result, injected = _resume_under_eio(tmp_path, config.workdir, _array_files(config.workdir, [10, 20, 30]))
+    result, injected = _resume_under_eio(tmp_path, config.workdir, eio.array_files(config.workdir, [10, 20, 30]))
     assert injected >= reads.READ_ATTEMPTS
     line = helpers.fault_line(result, 1)
     path = helpers.checkpoint_dir(config.workdir, "30")

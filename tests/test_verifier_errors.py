@@ -7,17 +7,12 @@ EIO injected by strace."""
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from checkpointing import verdicts
-from tests import helpers
+from tests import eio, helpers
 from tests.tamper import RUN
-from tests.test_read_errors import _array_files, _strace_eio
 
 pytestmark = pytest.mark.slow
 
@@ -107,35 +102,15 @@ def test_a_replay_out_of_memory_is_an_error_and_the_next_run_proves_the_steps(us
 
 
 def verify_under_eio(tmp_path, workdir: str, files: list[str], *, until: str | None = None):
-    """verifier.verify --once while strace fails the reads of `files` with EIO: to the end, or until its log
-    shows `until` (then strace detaches and the reads succeed again). Returns (its result, reads failed)."""
-    log_path, trace = tmp_path / "verify.log", tmp_path / "strace.out"
-    with open(log_path, "w") as log:
-        verifier = subprocess.Popen([sys.executable, "-m", "verifier.verify", f"--workdir={workdir}", "--mesh=data=8",
-                                     "--once"], env=helpers.subprocess_env(), cwd=helpers.REPO_ROOT,
-                                    stdout=subprocess.DEVNULL, stderr=log)
-    tracer = _strace_eio(trace, verifier.pid, files)  # attached long before a restore: JAX takes seconds to import
-    try:
-        if until is not None:
-            deadline = time.monotonic() + 120
-            while until not in log_path.read_text() and verifier.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            tracer.send_signal(signal.SIGTERM)  # detaches: the verifier goes on, its reads no longer fail
-        tracer.wait(timeout=60)
-        verifier.wait(timeout=300)
-    finally:
-        for process in (tracer, verifier):
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
-    result = subprocess.CompletedProcess(verifier.args, verifier.returncode, "", log_path.read_text())
-    return result, trace.read_text().count("(INJECTED)")
+    """verifier.verify --once while the reads of `files` fail with EIO (tests/eio.py)."""
+    return eio.run_under_eio(tmp_path, "verifier.verify", [f"--workdir={workdir}", "--mesh=data=8", "--once"], files,
+                             until=until)
 
 
 def test_a_lasting_eio_is_an_error_naming_the_step_and_the_next_run_proves_it(tmp_path, trained_copy):
     config = trained_copy(**RUN)
     before = helpers.committed_snapshot(config.workdir)
-    result, injected = verify_under_eio(tmp_path, config.workdir, _array_files(config.workdir, [30]))
+    result, injected = verify_under_eio(tmp_path, config.workdir, eio.array_files(config.workdir, [30]))
     assert injected >= 4, "the reads were not failed: the test proves nothing"
     path = helpers.checkpoint_dir(config.workdir, "30")
     line = helpers.fault_line(result, 1)
@@ -152,7 +127,7 @@ def test_a_lasting_eio_is_an_error_naming_the_step_and_the_next_run_proves_it(tm
 
 def test_a_transient_eio_is_retried_and_the_step_is_proved(tmp_path, trained_copy):
     config = trained_copy(**RUN)
-    result, injected = verify_under_eio(tmp_path, config.workdir, _array_files(config.workdir, [30]),
+    result, injected = verify_under_eio(tmp_path, config.workdir, eio.array_files(config.workdir, [30]),
                                         until="attempt 2 of 4")
     assert injected >= 1, "no read was failed: the test proves nothing"
     assert result.returncode == 0, result.stderr[-3000:]
