@@ -90,8 +90,9 @@ def genuine(scratch: str) -> tuple[list[dict], list[str]]:
 def genuine_row(name: str, found: list) -> str:
     steps = [(seed, v.mesh, s) for seed, v in found for s in v.steps.values()]
     counts = "/".join(str(sum(s.status == status for _, _, s in steps)) for status in ("pass", "fail", "inconclusive"))
-    from_init = [r for _, _, s in steps if s.replayed_from == 0 for r in s.ratios[:1]]
-    from_saved = [r for _, _, s in steps if s.replayed_from for r in s.ratios[:1] if s.ratio is not None]
+    full = [s for _, _, s in steps if s.level == "reproduced" and s.ratio is not None]  # the full proof's
+    from_init = [s.ratio for s in full if s.replayed_from == 0]
+    from_saved = [s.ratio for s in full if s.replayed_from]
     cheap = [s.cheap_ratio for _, _, s in steps if s.cheap_ratio is not None]
     worst = max(steps, key=lambda item: max(item[2].ratios, default=0.0), default=None)
     where = f"seed {worst[0]}, {worst[1]}, step {worst[2].step}" if worst else "-"
@@ -158,17 +159,22 @@ def late_forgery(scratch: str, bases: verdict_broken.Bases) -> tuple[list[dict],
 
 def summary(result: dict) -> list[str]:
     genuine_steps = [s for run in result.get("genuine", []) for s in run["steps"].values()]
-    ratios = [r for s in genuine_steps for r in (s["ratio"], s["cheap_ratio"]) if r is not None]
+    full = [s["ratio"] for s in genuine_steps if s["level"] == "reproduced" and s["ratio"] is not None]
+    cheap = [s["cheap_ratio"] for s in genuine_steps if s["cheap_ratio"] is not None]
     cases = [run for run in result.get("broken", []) if not run["control"]]
     named = [run["steps"].get(str(run["named"])) for run in cases]
-    broken_ratios = [math.inf if s["ratio"] is None else s["ratio"] for s in named if s and s["status"] == "fail"]
-    largest, smallest = max(ratios, default=math.nan), min(broken_ratios, default=math.nan)
+    failed = [s for s in named if s and s["status"] == "fail"]
+    broken_ratios = [math.inf if s["ratio"] is None else s["ratio"] for s in failed]
+    largest, smallest = max(full + cheap, default=math.nan), min(broken_ratios, default=math.nan)
     lines = [f"  margin (verifier/evidence.py)  {MARGIN:g}",
              f"  genuine runs  {len(result.get('genuine', []))}",
              f"  genuine runs with a fail  {sum(run['exit_code'] != 0 for run in result.get('genuine', []))}",
              f"  genuine verdicts inconclusive  {sum(s['status'] == 'inconclusive' for s in genuine_steps)}",
              f"  largest genuine ratio  {largest:.3g}",
-             f"  broken runs detected  {sum(run['detected'] for run in cases)} of {len(cases)}",
+             f"  largest genuine ratio, full proof  {max(full, default=math.nan):.3g}",
+             f"  largest genuine ratio, cheap proof  {max(cheap, default=math.nan):.3g}",
+             f"  broken runs whose named step failed  {len(failed)}/{len(cases)}",
+             f"  broken runs detected  {sum(run['detected'] for run in cases)}/{len(cases)}",
              f"  smallest broken ratio  {smallest:.3g}",
              f"  smallest broken / largest genuine  {smallest / largest if largest else math.nan:.3g}"]
     for mesh in meshes(_SILENT_MESHES):
