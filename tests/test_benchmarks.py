@@ -71,6 +71,10 @@ BENCHMARKS = {
         rows=("lease_acquire", "lease_renewal", "lease_check", "lease_holder", "save_check", "listing",
               "manifest_read", "verdict_listing", "2"),  # "2": the 2-process pod's rows (requests in column 2)
         columns=(2,)),
+    "verdict_matrix": Smallest(
+        ("--groups=genuine,broken,silent", "--families=mlp", "--seeds=1", "--cases=zeroed_moments_saved",
+         "--broken_meshes=data=2", "--silent_sizes=1e-2", "--silent_meshes=data=2"),
+        rows=("mlp", "1e-2", "genuine runs", "largest genuine ratio", "broken runs detected", "smallest broken ratio")),
     "verifier_bench": Smallest(
         ("--min_state_mib=0", "--hidden_dim=16", "--num_layers=2", "--steps=4", "--save_every_steps=2", "--rounds=1",
          "--restore_repeats=1"),
@@ -87,6 +91,8 @@ HELPERS = {
     "plain_orbax_trainer": ("goodput_bench",),
     "scale_protocol": ("scale_sim",),
     "scale_pod_child": ("scale_sim",),
+    "verdict_broken": ("verdict_matrix",),
+    "verdict_runs": ("verdict_matrix",),
     "verifier_pace": ("verifier_bench",),
     "verifier_scan": ("verifier_bench",),
 }
