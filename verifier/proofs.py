@@ -205,12 +205,19 @@ class StepProofs(ChainProofs):
         distance = step - self._anchor_step(step, manifest, disk_anchor)
         logging.vlog(1, "step %d: cheap proof %s; full proof over %d steps next unless not due", step,
                      "done" if resume is not None else "not run (no probe)", distance)
-        if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None):
+        cheap_failed = resume is not None and resume.status == "fail"
+        if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None,
+                                     cheap_failed=cheap_failed):
             verdict = self._resume_verdict(step, held, resume,
                                            f"; the full proof is not due ({self._budget.describe()})")
         else:
             verdict = self._full_proof(step, held, disk_anchor)
-            if resume is not None and resume.status == "fail" and verdict["status"] != "fail":
+            if cheap_failed and verdict["status"] == "pass":
+                # The step is what its replay gives: the steps recorded after it are what diverged (a broken
+                # resume from it, or a fault after it), and the next save's proof names the first of them.
+                verdict["detail"] += (f"; the {resume.steps} steps recorded after it do not replay from it "
+                                      f"({resume.mismatch.detail}): the next save's full proof says where they went")
+            elif cheap_failed and verdict["status"] == "inconclusive":
                 verdict = self._resume_verdict(step, held, resume, "")
             elif resume is not None and resume.status == "pass" and verdict["status"] == "inconclusive":
                 verdict = self._resume_verdict(step, held, resume, f"; the full proof could not decide: "
