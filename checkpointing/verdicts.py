@@ -17,8 +17,8 @@ Levels, weakest first (each includes the ones before it):
               per-leaf sums and norms: the checkpoint resumes the run it came from
   reproduced  the full proof: a replay from the newest proved predecessor (or the config's init,
               for the first checkpoint) reached this step with every loss it recorded and its whole
-              state equal: bit-exact on the layout that recorded it, within per-leaf tolerances on
-              another (and, where a probe exists, the cheap proof passed too).
+              state equal: value for value on the layout and platform that recorded it, within the noise
+              of a layout change the verifier measured for that interval on another (verifier/evidence.py).
   Proved steps (resumes or reproduced, passed) anchor later proofs, `--resume_from=latest_verified`
   and retention's protection: both show that the checkpoint resumes the run.
 

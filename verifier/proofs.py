@@ -11,8 +11,8 @@ Proofs run forward, so that blame lands on the step that is wrong (levels: check
   reproduced  the full proof (verifier/chain_proof.py): a replay from the newest proved predecessor
               (the run's init for the first checkpoint, or the params it imported with --init_from)
               up to this step: every loss the step recorded, and then its whole state, must come out
-              equal (verifier/tolerances.py: bit-exact on the recording layout, per-leaf tolerances on
-              another; a replay from the init has its own, where the program has them). With
+              equal: value for value on the recording layout and platform, within MARGIN times the noise
+              of a layout change measured for the interval on another (verifier/evidence.py). With
               --verify_budget below 1 it is given to a sample of the saves
               (verifier/budget.py); at 1, to every one, so the chain of trust goes back to the seed.
   replayed    the weaker level when the distance exceeds --replay_steps: the replay compared the
