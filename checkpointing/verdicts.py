@@ -42,7 +42,8 @@ Fields:
                            (checkpointing/content.py), what a restore trusting the verdict checks
   evidence                 across layouts (verifier/evidence.py): {"ratio": the largest distance / measured
                            noise (of the evidence, for a failure), "margin", "deciding": quantities that could
-                           decide, "chaotic": leaves that could not}; absent where the proof was bit-exact
+                           decide, "chaotic": leaves that could not, "replays": layouts replayed on};
+                           absent where the proof was bit-exact
   verified_at              ISO-8601 UTC
 """
 

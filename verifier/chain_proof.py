@@ -109,6 +109,7 @@ class ChainProofs:
             if with_state:
                 judgement = judgement.add(evidence.judge_leaves(
                     layouts.leaf_numbers(held.state, states, anchor.state), floors[1]))
+            judgement.replays = len(losses)
             return judgement
 
         for other in self._other_programs(held.manifest):

@@ -64,12 +64,13 @@ class Judgement:
     chaotic: list[str] = dataclasses.field(default_factory=list)  # leaves that cannot decide alone
     loss_noise: float | None = None  # the pooled relative noise of the losses
     reason: str = ""  # why nothing could decide, where that is known before comparing (no other layout)
+    replays: int = 1  # layouts the interval was replayed on (the verifier's own, and its others)
 
     def add(self, other: "Judgement") -> "Judgement":
         return Judgement(self.findings + other.findings, max(self.largest, other.largest),
                          self.deciding + other.deciding, self.chaotic + other.chaotic,
                          self.loss_noise if other.loss_noise is None else other.loss_noise,
-                         self.reason or other.reason)
+                         self.reason or other.reason, max(self.replays, other.replays))
 
     def mismatch(self) -> dict | None:
         """The verdict's mismatch field: the strongest evidence, if any."""
@@ -85,7 +86,7 @@ class Judgement:
         """What a verdict keeps of it (checkpointing/verdicts.py `evidence`)."""
         ratio = self.findings[0].ratio if self.findings else self.largest
         return {"ratio": ratio if math.isfinite(ratio) else None, "margin": MARGIN, "deciding": self.deciding,
-                "chaotic": self.chaotic}
+                "chaotic": self.chaotic, "replays": self.replays}
 
     def describe(self) -> str:
         """One clause: how close the record came, in units of the noise (for a passing verdict)."""

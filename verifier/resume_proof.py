@@ -78,8 +78,10 @@ def prove(replay, program, start_state, step: int, probe: dict, manifest: dict,
         all_losses, all_summaries = [losses], [summaries]
 
         def judge() -> evidence.Judgement:
-            return evidence.judge_losses(recorded, all_losses, floors[0]).add(evidence.judge_summaries(
+            judgement = evidence.judge_losses(recorded, all_losses, floors[0]).add(evidence.judge_summaries(
                 probe["summaries"], all_summaries, sizes, integer, probe["summary_step"], floors[1]))
+            judgement.replays = len(all_losses)
+            return judgement
 
         judgement = None
         for other in others():
