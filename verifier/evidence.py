@@ -20,11 +20,12 @@ decide a verdict alone; the losses and the leaves that carry signal do. A quanti
 own scale cannot tell a broken value from a good one either: when no quantity can decide, the proof is
 inconclusive, not passed. Integer leaves (the step, Adam's count) are exact on every layout.
 
-MARGIN is 100. Over the acceptance matrix of docs/verifier.md (45 genuine runs: 8 families, 3 seeds, on data=2
-and data=2,model=4) a genuine full proof came within 3.3x the noise measured between the verifier's layouts and a
-genuine cheap proof within 47x in float32 (one sample of a spread is not its maximum); the bfloat16 transformer's
-cheap proof on a 2-device verifier reached 144-364x (five genuine steps failed there). Every broken run was
-beyond 1.0e3 of it (one leaf x (1 + 1e-3 noise)), most beyond 10^4.
+MARGIN is 100, between what the acceptance matrix of docs/verifier.md measured both ways (45 genuine runs of
+8 families, 3 seeds, verified on data=2 and data=2,model=4; 40 broken runs): a genuine full proof came within
+3.3x the noise, a genuine cheap proof within 55x (its per-leaf sums of small leaves are few-sample statistics;
+one pair of replays is one sample of a spread, which is why evidence is confirmed on a third layout before it
+fails a step), and every broken run lay beyond 1.06e3 (one leaf x (1 + 1e-3 noise)), most beyond 10^4. A silent
+corruption is caught across layouts from about 6e-3 of one element; on the recording layout from its last bit.
 """
 
 import dataclasses
