@@ -150,8 +150,9 @@ def summarize(samples: dict[str, list]) -> dict:
     parts = [key.split(":", 1)[1] for key in samples if key.startswith("async_save.part:")]
     summary["blocking_parts_secs"] = {part: median("async_save", f"part:{part}") for part in parts}
     top_level = [samples[f"async_save.part:{part}"] for part in parts if "/" not in part]  # '/': inside another
-    summary["blocking_parts_secs"]["python_and_other"] = statistics.median(
-        blocking - sum(part) for blocking, *part in zip(samples["async_save.blocking"], *top_level))
+    if parts:  # the saves variant ran (--variants)
+        summary["blocking_parts_secs"]["python_and_other"] = statistics.median(
+            blocking - sum(part) for blocking, *part in zip(samples["async_save.blocking"], *top_level))
     summary["medians_secs"] = {key: statistics.median(values) for key, values in samples.items()
                                if ":" not in key and not key.startswith("rss_") and key != "state_bytes"}
     summary["state_bytes"], summary["state_gib"] = state_bytes, state_gib
@@ -185,10 +186,11 @@ def report(summary: dict, samples: dict, load: dict) -> str:
         lines += ["", f"Fingerprint pass {summary['fingerprint_secs_per_gib']:.3f} s/GiB; one read of the state "
                   f"{summary['state_read_secs_per_gib']:.3f} s/GiB (`fingerprint_secs_per_gib`, "
                   "`state_read_secs_per_gib`)."]
-    lines += ["", "Where async save() blocks (medians, seconds): " + ", ".join(
-                  f"{part} {secs:.4f}" for part, secs in summary["blocking_parts_secs"].items())
-              + f"; in all {summary['medians_secs']['async_save.blocking']:.4f} "
-              f"(plain Orbax {summary['medians_secs']['orbax_save.blocking']:.4f})."]
+    if summary["blocking_parts_secs"]:  # the saves variant ran
+        lines += ["", "Where async save() blocks (medians, seconds): " + ", ".join(
+                      f"{part} {secs:.4f}" for part, secs in summary["blocking_parts_secs"].items())
+                  + f"; in all {summary['medians_secs']['async_save.blocking']:.4f} "
+                  f"(plain Orbax {summary['medians_secs']['orbax_save.blocking']:.4f})."]
     return "\n".join(lines)
 
 
