@@ -18,10 +18,12 @@ save in flight, so it cannot race the next writer, and releases the lease). docs
 import dataclasses
 from typing import Callable, Iterable
 
+import jax
 from absl import logging
 
 from checkpointing import input_state
 from checkpointing import lease as lease_lib
+from checkpointing import marks as marks_lib
 from checkpointing import probes
 from checkpointing import restore as restore_lib
 from checkpointing import run_record
@@ -83,6 +85,7 @@ class Checkpointer:
         self.watchdog = watchdog or Watchdog(watchdog_secs)
         self.preemption = PreemptionWatch()
         self._saver: Saver | None = None
+        self._summaries_ahead = None  # the abstract state whose probe summaries a marks-passing loop compiles
         self._closed = False
         self.local: CheckpointService | None = None
         try:
@@ -141,6 +144,7 @@ class Checkpointer:
         if not self.options.probe_steps or self.run.program is None:
             return None  # a run the verifier does not replay needs no probes
         on_host = self.options.probe_summaries == AUTO and probes.host_held(abstract_state)
+        self._summaries_ahead = None if on_host else abstract_state  # see marks_wanted
         recorder = ProbeRecorder(self.workdir, self.options.probe_steps, self.total_steps, self.run.mesh, on_host)
         if start.tier == "persistent":
             recorder.saved(start.step, committed=True)  # if the attempt that saved it died first, this one records it
@@ -154,6 +158,10 @@ class Checkpointer:
         marks a save dispatches its own fingerprint pass (checkpointing/marks.py says what that costs)."""
         if self._saver is None:
             raise RuntimeError("Checkpointer.marks_wanted before restore_or_init")
+        if self._summaries_ahead is not None:  # a loop that passes marks: its probes' summaries compile meanwhile
+            shardings = jax.tree.map(lambda x: x.sharding, self._summaries_ahead)
+            marks_lib.marks_fn(shardings).compile_summaries_ahead(self._summaries_ahead)
+            self._summaries_ahead = None
         return self._saver.marks_wanted(step, self.mesh)
 
     def on_step(self, step: int, state, loss=None, metrics: dict | None = None, marks=None) -> SaveEvent:

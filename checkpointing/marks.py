@@ -1,29 +1,25 @@
 """Save marks: a saved state's fingerprints and its probe's summaries, dispatched by the loop, not by save().
 
-A save needs each leaf's fingerprint (the manifest), and a probe each leaf's sum and norm a few steps
-later (checkpointing/probes.py). Dispatched inside save(), right after Orbax's call, the fingerprint pass
-competes with Orbax's background write for the interpreter lock and the device threads: on CPU that one
-jit call blocked save() for ~20 ms at 1 GiB (3.5x plain Orbax's save()). Asked for a step ahead (the
-Checkpointer knows its step-cadence saves and its probe windows), the loop dispatches them right after
-the step that writes the state, before any write of this save has started, and save() dispatches none:
+Dispatched inside save(), the fingerprint pass competes with Orbax's background write for the interpreter lock
+and the device threads (on CPU ~20 ms at 1 GiB, 3.5x plain Orbax's save()). Asked a step ahead (the Checkpointer
+knows its step-cadence saves and probe windows), the loop dispatches them right after the step that writes the
+state, and save() dispatches none:
 
     wanted = checkpointer.marks_wanted(step + 1)          # host decision, the same on every process
     state, loss = train_step(state, batch)
     marks = marks_fn(shardings)(state, wanted) if wanted.any else None   # dispatches what was asked
     checkpointer.on_step(step + 1, state, loss, marks=marks)
 
-The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in the state's leaf order, both replicated; a
-part not asked is None. `marks_fn` keeps them in two executables per layout, dispatched only when asked: the
-fingerprints (each device hashes its slice, one all-reduce), which a restart compiles before its restore (the
-check needs them), and the summaries, compiled at the first probe (where the probe does not take them on the
-host, as on CPU devices: checkpointing/probes.py). Neither holds a conditional (under `lax.cond` per part, a
-transformer's marks cost a restart more than its step: benchmarks/compile_bench.py), nor is inside the step (that
-changed how XLA compiled the update: losses differed in the last bits). `step_marks` is the same marks inside a
-caller's own jit, asked by a replicated bool[2] `flags` device array (`request(mesh, ...).flags`). A step the
-Checkpointer did not ask is saved as before: save() dispatches the fingerprints itself (a time-based or
-preemption save is not known a step ahead). The values are the same: integer arithmetic (tests/test_marks.py).
+The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in leaf order, replicated; a part not asked
+is None. Two executables per layout: the fingerprints (each device hashes its slice, one all-reduce), compiled
+before a restart's restore (its check needs them), and the summaries where the probe does not take them on the
+host (checkpointing/probes.py), compiled on a thread while the loop trains (`compile_summaries_ahead`: at the
+first probe they stopped a TPU's loop 6-15 s, docs/performance.md). Neither holds a conditional nor is inside
+the step (that changed how XLA compiled the update). `step_marks`: the same in a caller's jit, asked by a bool[2]
+`flags` (`request(mesh, ...).flags`). An unasked save dispatches the fingerprints itself (tests/test_marks.py).
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import sys
@@ -52,6 +48,7 @@ class Wanted:
         return self.fingerprints or self.summaries
 
 
+_AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="summaries-compile")
 NOTHING = Wanted(False, False, None)  # what a step not asked for marks gives (host side only)
 # Layouts (tree, shardings, shapes) whose marks_fn compile_marks has compiled: their fingerprints come from it.
 _COMPILED: set[tuple] = set()
@@ -185,14 +182,12 @@ def _stacked_fingerprints(state, shardings: tuple) -> jax.Array:
         *[_words_of(x) for x in leaves])
 
 
-def _stacked_summaries(state) -> jax.Array:
-    return jnp.stack([_leaf_summary(x) for x in jax.tree.leaves(state)])
+_stacked_summaries = lambda state: jnp.stack([_leaf_summary(x) for x in jax.tree.leaves(state)])  # noqa: E731
 
 
 class MarksFn:
     """The marks of states on one layout: `(state, wanted) -> (fingerprints, summaries)`, each dispatched only
-    when `wanted` (a Wanted) asks for it, else None. Its executables are `.fingerprints` (after compile_marks,
-    the `.compiled` one) and `.summaries`."""
+    when `wanted` asks for it, else None (executables: `.fingerprints` or compile_marks' `.compiled`, `.summaries`)."""
 
     def __init__(self, tree):
         self._tree = tree
@@ -200,6 +195,17 @@ class MarksFn:
         self.compiled = None  # compile_marks: the fingerprints' executable, called without jit's dispatch
         replicated = NamedSharding(jax.tree.leaves(tree)[0].mesh, P())
         self.summaries = jax.jit(_stacked_summaries, in_shardings=(tree,), out_shardings=replicated)
+        self._summaries_ahead: concurrent.futures.Future | None = None  # compile_summaries_ahead's executable
+
+    def compile_summaries_ahead(self, abstract_state) -> None:
+        """Compiles the summaries on a thread (a restart loads them from the persistent cache) while the loop
+        trains: the first probe waits only for what is left of it."""
+        if self._summaries_ahead is None:
+            self._summaries_ahead = _AHEAD.submit(lambda: self.summaries.lower(abstract_state).compile())
+
+    def summary(self, state) -> jax.Array:  # a compile ahead that failed: jit's own compile says why
+        ahead = self._summaries_ahead
+        return ahead.result()(state) if ahead is not None and ahead.exception() is None else self.summaries(state)
 
     def fingerprints_jit(self):
         """A new jit of the fingerprints (its own caches: what executables.load_or_compile keeps is compiled)."""
@@ -212,7 +218,7 @@ class MarksFn:
 
     def __call__(self, state, wanted: Wanted) -> tuple[jax.Array | None, jax.Array | None]:
         return (self.fingerprint(state) if wanted.fingerprints else None,
-                self.summaries(state) if wanted.summaries else None)
+                self.summary(state) if wanted.summaries else None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -221,20 +227,16 @@ def _jitted(treedef, shardings: tuple) -> MarksFn:
 
 
 def marks_fn(shardings) -> MarksFn:
-    """The marks for states on `shardings` (a tree of NamedShardings on one mesh), dispatched after the step;
-    one object per layout, so its callers share its executables."""
+    """The marks of states on `shardings` (NamedShardings on one mesh): one per layout, shared by its callers."""
     leaves, treedef = jax.tree.flatten(shardings)
     return _jitted(treedef, tuple(leaves))
 
 
 def compile_marks(abstract_state) -> str:
-    """Compiles the fingerprints of marks_fn for states like `abstract_state` (ShapeDtypeStructs with
-    NamedShardings), or loads them as a launch before compiled them (checkpointing/executables.py: no trace,
-    no lowering). From then on this process's restores and unasked saves of such states take their
-    fingerprints from it, so no fingerprint pass is compiled or kept beside it. The summaries compile at
-    their first use (a probe's step), where they are not taken on the host (checkpointing/probes.py). Call
-    on every process alike (a restore's check is a collective). Returns where the executable came from:
-    "disk" or "compiled"."""
+    """Compiles (or loads, checkpointing/executables.py) the fingerprints of marks_fn for states like
+    `abstract_state` (ShapeDtypeStructs with NamedShardings); this process's restores and unasked saves of such
+    states then use it (no fingerprint pass beside it). Call on every process alike (a restore's check is a
+    collective). Returns "disk" or "compiled"."""
     marks = marks_fn(jax.tree.map(lambda x: x.sharding, abstract_state))
     marks.compiled, source = executables.load_or_compile(
         "marks-fingerprints", marks.fingerprints_jit, (abstract_state,), _FINGERPRINT_SOURCES)
@@ -260,8 +262,8 @@ def compiled_for(tree) -> bool:
 
 
 class Fingerprints:
-    """A state's fingerprints, dispatched now and read back by `ints()`: from its layout's compiled marks
-    when there are some (compile_marks), else from the fingerprint pass. The values are the same."""
+    """A state's fingerprints, dispatched now and read back by `ints()`: from its layout's compiled marks, else
+    from the fingerprint pass (the same values)."""
 
     def __init__(self, state):
         self._marks = self._pass = None
@@ -283,8 +285,7 @@ def fingerprints_of(state) -> dict[str, int]:
 
 
 def fingerprint_ints(fingerprints: jax.Array, paths: list[str]) -> dict[str, int]:
-    """{key path: 64-bit fingerprint} from the marks' fingerprints of a state whose leaf_paths are `paths`
-    (one host transfer; blocks until they are ready)."""
+    """{key path: 64-bit fingerprint} from the marks' fingerprints of a state of leaf_paths `paths` (blocks)."""
     values = np.asarray(jax.device_get(fingerprints)).reshape(-1, 2)
     return {path: (int(v[0]) << 32) | int(v[1]) for path, v in zip(paths, values, strict=True)}
 

@@ -130,7 +130,7 @@ def test_a_verdict_write_fsyncs_the_file_renames_it_then_fsyncs_the_verdicts_dir
         verdicts.write({workdir!r}, verdicts.make(step=10, level="reproduced", status="pass", detail="test",
                        checkpoint_mesh={{"data": 8}}, verifier_mesh={{"data": 8}}, durations_secs={{}}))
         verdicts.write({workdir!r}, verdicts.make(step=10, level="reproduced", status="fail", detail="again",
-                       checkpoint_mesh={{"data": 8}}, verifier_mesh={{"data": 8}}, durations_secs={{}}))
+                       checkpoint_mesh={{"data": 8}}, verifier_mesh={{"data": 8}}, durations_secs={{}}), replace=True)
     """)
     result, events = traced(tmp_path, sys.executable, "-c", script, env=helpers.subprocess_env())
     assert result.returncode == 0, result.stderr[-3000:]

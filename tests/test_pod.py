@@ -207,8 +207,10 @@ def test_the_demo_resumes_from_the_local_tier_then_on_another_layout_and_proves_
     assert any("4 processes, data=8" in line for line in lines)
     assert all(line.endswith(" pass") for line in lines[1:-2]), lines
     assert lines[-2].startswith("RESULT: the resumed loss list equals the uninterrupted run's")
-    picture = lines[-1].split()[1]
-    assert lines[-1].startswith("PICTURE: ") and open(picture, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert lines[-1].startswith("PICTURE: ")
+    picture = lines[-1][len("PICTURE: "):].rsplit(" (loss against step", 1)[0]
+    assert os.path.dirname(picture) == str(tmp_path / "my demo")
+    assert open(picture, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sigterm_after_start_up_but_before_a_resumed_runs_first_step_still_preempts(tmp_path, trained_copy):
