@@ -201,3 +201,31 @@ def test_a_layout_whose_marks_are_compiled_saves_and_checks_restores_through_the
     manifest["leaves"]["['cols']"]["fingerprint"] ^= 1
     with pytest.raises(FingerprintMismatchError, match=r"^step 15: leaf \['cols'\] fingerprint"):
         check_fingerprints(15, manifest, _replayed(15))
+
+
+def test_a_loop_dispatching_marks_fn_gets_its_probe_summaries_compiled_ahead_not_at_the_first_probe(workdir):
+    """The trainer's loop (marks_fn after the step): the Checkpointer starts the summaries' compile at the first
+    marks_wanted, on a thread, so a probe's step never compiles them through jit (on a TPU that stopped the loop
+    6-15 s); the probe's summaries equal the separate pass's of the same state."""
+    # A layout of its own (the devices in reverse): no other test compiled its marks.
+    mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[::-1])
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s.spec), SHARDINGS)
+    plain_step = jax.jit(lambda s: _step(s, mark_request(MESH).flags)[:2], out_shardings=(shardings, None))
+    fn = marks_lib.marks_fn(shardings)
+    with Checkpointer(workdir, CheckpointConfig(max_to_keep=100, save_every_steps=5, probe_steps=2,
+                                                probe_summaries="device"), config={"lr": 0.1}, fixed=["lr"],
+                      mesh=mesh, total_steps=8, program="tests.test_marks:none", watchdog_secs=600) as ckpt:
+        first = jax.device_put(state_at(0), shardings)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), first)
+        state = ckpt.restore_or_init(abstract, lambda: first).state
+        for step in range(8):
+            wanted = ckpt.marks_wanted(step + 1)
+            state, loss = plain_step(state)
+            ckpt.on_step(step + 1, state, loss, marks=fn(state, wanted) if wanted.any else None)
+    assert fn.summaries._cache_size() == 0, "the probe's summaries compiled through jit at the probe"
+    probe = probes.read(workdir, 5)
+    assert (probe["summary_pass"], probe["summary_step"]) == (probes.STEP_PASS, 7)
+    separate = probes.to_host(probes.leaf_summaries(jax.device_put(_replayed(7), shardings)))
+    assert sorted(probe["summaries"]) == sorted(separate)
+    for path, value in separate.items():
+        np.testing.assert_allclose(probe["summaries"][path], value, rtol=1e-6)
