@@ -140,7 +140,7 @@ def verifier_part(scratch: str, mesh: str) -> dict:
     """The trainer on the devices with the verifier following on the host CPU; then the trainer alone."""
     steps, every = (int(x) for x in _VERIFIER_RUN.value)
     common = [f"--mesh={mesh}", f"--steps={steps}", f"--save_every_steps={every}", "--max_to_keep=100",
-              "--matmul_precision=highest", *_VERIFIER_MODEL.value]  # comparable across platforms
+              *_VERIFIER_MODEL.value]
     alone = os.path.join(scratch, "verifier_alone")
     text = run([sys.executable, "-m", "trainer.train", f"--workdir={alone}", *common], f"{alone}.log")
     alone_sps = float(DONE.findall(text)[-1])

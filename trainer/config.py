@@ -68,7 +68,7 @@ class TrainConfig:
                                       "1 off); the accumulators are state.", minimum=1)
     matmul_precision: str = option("default", "Matmul precision of the whole run, as jax names it: default (the "
                                               "backend's own: bfloat16 passes on TPU), high, or highest (float32 "
-                                              "everywhere: for runs to be proved on another platform); bfloat16, "
+                                              "matmuls everywhere; a TPU's exp and log still differ); bfloat16, "
                                               "tensorfloat32 and float32 name the same three. A resume may not "
                                               "change it.")
     refuse_code_change: bool = option(False, "Refuse (exit 2) to resume a run whose newest checkpoint was computed "
@@ -154,7 +154,7 @@ FIXED_FIELDS = (
 # and was added after runs were saved. Left out of the hash at its default, so such a run, whose
 # fixed_fields lack it, hashes as before and resumes; set, it is in the hash and a resume that changes
 # it is refused by name. Not a field to change mid-run like the mesh: the verifier replays a run at one
-# precision, and a resume that dropped --matmul_precision=highest would quietly end its cross-platform proofs.
+# precision, and a resume that dropped --matmul_precision=highest would quietly change its numbers.
 FIXED_WHEN_SET = ("matmul_precision",)
 CODE_FIELD = "code"  # the Checkpointer's config dict records what computed each manifest here (trainer/code.py)
 OPTIMIZERS = ("adam", "adamw")

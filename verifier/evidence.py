@@ -49,6 +49,7 @@ class Finding:
     replayed: float | None
     ratio: float  # distance / noise (inf: nonzero where the replays agree exactly, or not finite)
     detail: str
+    exact: bool = False  # an integer leaf: exact on every layout and platform, so evidence anywhere
 
     def as_mismatch(self) -> dict:
         return {"kind": "leaf" if self.kind in ("sum", "norm") else self.kind, "where": self.where,
@@ -162,7 +163,8 @@ def judge_leaves(numbers: dict[str, LeafNumbers], floor_rtol: float = 0.0) -> Ju
         if not leaf.is_float:  # counters: exact on any layout and platform
             if not leaf.distance == 0:
                 judgement.findings.append(Finding("leaf", path, None, leaf.distance, math.inf,
-                                                  f"leaf {path} differs (an integer leaf: exact on every layout)"))
+                                                  f"leaf {path} differs (an integer leaf: exact on every layout)",
+                                                  exact=True))
             continue
         scale = max(leaf.norm, leaf.moved)
         noise = max(leaf.noise, FLOOR_ULPS * leaf.eps * scale, floor_rtol * scale / MARGIN)
@@ -204,12 +206,13 @@ def judge_summaries(recorded: dict, replays: list[dict], sizes: dict[str, int], 
                                               f"leaf {path} at step {step}: a sum or norm is not finite"))
             continue
         norm = abs(replays[0][path][1])
-        if path in integer:
-            if recorded[path] != replays[0][path]:
-                judgement.findings.append(Finding("sum", path, recorded[path][0], replays[0][path][0], math.inf,
+        if path in integer:  # exact values; the norm is a float32 square root, which a TPU rounds otherwise
+            (want_sum, want_norm), (got_sum, got_norm) = recorded[path], replays[0][path]
+            if not (want_sum == got_sum and abs(want_norm - got_norm) <= FLOOR_ULPS * FLOAT32_EPS * norm):
+                judgement.findings.append(Finding("sum", path, want_sum, got_sum, math.inf,
                                                   f"leaf {path} at step {step}: replayed sum and norm "
                                                   f"{replays[0][path]}, the trainer's {recorded[path]} (an "
-                                                  "integer leaf: exact)"))
+                                                  "integer leaf: exact)", exact=True))
             continue
         noise_norm = max((abs(a[path][1] - b[path][1]) for i, a in enumerate(replays) for b in replays[i + 1:]),
                          default=0.0)
