@@ -13,8 +13,8 @@ the accelerator; with JAX_PLATFORMS=cpu and no accelerator, one CPU device). The
               --noplain_save), plain Orbax and the service, at the --realistic cadence and the --write_bound one
   restart     each write-bound run relaunched for --restart_steps more: its `phase` lines (open, compile with
               the warm cache, restore, first step), the service against plain Orbax
-  verifier    a smaller run (--verifier_model_flags) trained with the verifier following beside it on the
-              host CPU (JAX_PLATFORMS=cpu): trainer steps proved and replayed per second against trained
+  verifier    a smaller run (--verifier_model_flags) trained with the verifier following beside it on 4 host
+              CPU devices (JAX_PLATFORMS=cpu): trainer steps proved and replayed per second against trained
 Prints a markdown report; --json_out writes the numbers. Every child is killed by PID on timeout.
 """
 
@@ -64,10 +64,18 @@ TRAINERS = {"ideal": ["benchmarks.plain_orbax_trainer", "--noplain_save"],
             "plain_orbax": ["benchmarks.plain_orbax_trainer"], "service": ["trainer.train"]}
 
 
+VERIFIER_CPU_DEVICES = 4  # the verifier's host CPU devices: other layouts to measure the noise of a change with
+
+
 def child_env(cpu: bool = False) -> dict:
+    """The caller's environment (JAX picks the devices), or the verifier's: VERIFIER_CPU_DEVICES host CPU devices."""
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
-    return dict(env, JAX_PLATFORMS="cpu") if cpu else env
+    if not cpu:
+        return env
+    xla = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
+    return dict(env, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"{xla} --xla_force_host_platform_device_count={VERIFIER_CPU_DEVICES}".strip())
 
 
 def run(command: list[str], log_path: str, cpu: bool = False) -> str:
@@ -150,9 +158,10 @@ def verifier_part(scratch: str, mesh: str) -> dict:
     with open(f"{ckpt}_verify.log", "w") as vlog, open(f"{ckpt}.log", "w") as tlog:
         trainer = subprocess.Popen([sys.executable, "-m", "trainer.train", f"--workdir={ckpt}", *common], cwd=ROOT,
                                    env=child_env(), stdout=tlog, stderr=subprocess.STDOUT, start_new_session=True)
-        verifier = subprocess.Popen([sys.executable, "-m", "verifier.verify", f"--workdir={ckpt}", "--mesh=data=1",
-                                     "--follow", "--poll_secs=0.2"], cwd=ROOT, env=child_env(cpu=True),
-                                    stdout=vlog, stderr=subprocess.STDOUT, start_new_session=True)
+        verify = [sys.executable, "-m", "verifier.verify", f"--workdir={ckpt}", f"--mesh=data={VERIFIER_CPU_DEVICES}",
+                  "--follow", "--poll_secs=0.2"]
+        verifier = subprocess.Popen(verify, cwd=ROOT, env=child_env(cpu=True), stdout=vlog, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
             deadline = time.perf_counter() + _TIMEOUT.value
             while trainer.poll() is None and time.perf_counter() < deadline:

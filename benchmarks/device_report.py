@@ -69,12 +69,13 @@ def report(results: dict, cadences: dict, median) -> str:
         lines.append("")
     if "verifier" in results:
         v = results["verifier"]
-        lines += [f"Verifier on the host CPU beside training: {v['complete']} of {v['commits']} commits with a "
-                  f"complete verdict ({', '.join(f'{s}: {x}' for s, x in v['statuses'].items())}); training "
-                  f"{v['with_verifier_steps_per_sec']:.2f} steps/s with it, {v['alone_steps_per_sec']:.2f} alone "
-                  f"({v['with_verifier_steps_per_sec'] / v['alone_steps_per_sec']:.3f})."]
-        if "proved_steps_per_sec" in v:
-            lines.append(f"Proved {v['proved_steps_per_sec']:.2f} and replayed {v['replayed_steps_per_sec']:.2f} "
-                         f"steps/s against {v['train_steps_per_sec']:.2f} trained; the final commit's verdict came "
-                         f"{v['final_lag_secs']:.1f} s after it.")
+        pace = [f"{v['proved_steps_per_sec'] / v['train_steps_per_sec']:.3f}",
+                f"{v['replayed_steps_per_sec'] / v['train_steps_per_sec']:.3f}", f"{v['final_lag_secs']:.1f}"] \
+            if "proved_steps_per_sec" in v else ["-"] * 3
+        lines += ["The verifier on the host CPU (JAX_PLATFORMS=cpu) following a run on the devices:", "",
+                  "| part | proved steps/s / trained | replayed steps/s / trained | final commit -> its verdict, s | "
+                  "training with it / alone | complete verdicts |", "|---|---|---|---|---|---|",
+                  f"| verifier | {' | '.join(pace)} | {v['with_verifier_steps_per_sec'] / v['alone_steps_per_sec']:.3f}"
+                  f" | {v['complete']} of {v['commits']} commits |", "",
+                  "Verdicts: " + ", ".join(f"{s}: {x}" for s, x in v["statuses"].items()) + "."]
     return "\n".join(lines)

@@ -56,6 +56,13 @@ BENCHMARKS = {
         ("--size_mib=2", "--shard_mib=1", "--repeats=1", "--cheap_samples=1"),
         rows=("ratio: stat / plain", "ratio: full / plain", "ratio: full, cold / plain", "full: GiB/s hashed",
               "full, cold: GiB/s hashed")),
+    "device_bench": Smallest(
+        ("--state_gibs=0.004", "--array_mib=1", "--samples=1", "--realistic=8,4", "--write_bound=4,2",
+         "--restart_steps=2", "--verifier_run=8,4", "--verifier_grace_secs=120",
+         "--model_flags=--model=mlp,--hidden_dim=16,--num_layers=1,--batch_size=8",
+         "--verifier_model_flags=--model=mlp,--hidden_dim=16,--num_layers=1,--batch_size=8"),
+        rows=("0.004", "ideal", "plain_orbax", "service", "open", "compile", "restore", "first_step", "verifier"),
+        columns=(2, 3)),
     "goodput_bench": Smallest(
         ("--steps=10", "--save_every_steps=5", "--preemptions=1", "--rounds=1", "--hidden_dim=16", "--batch_size=8",
          "--settle_secs=0"),
@@ -86,15 +93,17 @@ HELPERS = {
     "common": ("checkpoint_bench", "compile_bench", "data_identity_bench", "goodput_bench", "input_bench", "scale_sim"),
     "checkpoint_child": ("checkpoint_bench",),
     "checkpoint_state": ("checkpoint_bench",),
+    "device_child": ("device_bench",),
+    "device_report": ("device_bench",),
     "goodput_events": ("goodput_bench",),
     "goodput_report": ("goodput_bench",),
-    "plain_orbax_trainer": ("goodput_bench",),
+    "plain_orbax_trainer": ("goodput_bench", "device_bench"),
     "scale_protocol": ("scale_sim",),
     "scale_pod_child": ("scale_sim",),
     "verdict_broken": ("verdict_matrix",),
     "verdict_runs": ("verdict_matrix",),
-    "verifier_pace": ("verifier_bench",),
-    "verifier_scan": ("verifier_bench",),
+    "verifier_pace": ("verifier_bench", "device_bench"),
+    "verifier_scan": ("verifier_bench", "device_bench"),
 }
 
 _NUMBER = re.compile(r"\s*([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))", re.IGNORECASE)
