@@ -1,0 +1,114 @@
+"""On the accelerator itself (a TPU chip): a run killed after a commit resumes to the uninterrupted run's loss
+list bit for bit, the verifier on the chip reproduces every step bit for bit, and the same run verified on the
+host CPU never fails a genuine step (platforms compute otherwise: inconclusive at worst, docs/verifier.md).
+
+Marked `chip`, run where JAX finds an accelerator, one program at a time (the chip admits one):
+
+    python3 -m pytest -m chip tests/test_on_chip.py        # benchmarks/device_run.sh's set-up first
+
+Everywhere else (CI has no accelerator) each test is skipped and says why. Whether JAX finds one is asked in a
+child process, so this process never holds the chip that the trainers it starts need.
+"""
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from checkpointing import committed_steps, verdicts
+from checkpointing.report import recorded_losses
+from checkpointing.workdir import verdict_file
+from tests import helpers
+
+pytestmark = [pytest.mark.chip, pytest.mark.slow]
+
+STEPS, EVERY = 60, 20
+MODEL = ["--model=transformer", "--hidden_dim=256", "--num_layers=2", "--num_heads=4", "--seq_len=64",
+         "--vocab_size=1024", "--batch_size=8", "--mesh=data=1", f"--save_every_steps={EVERY}", "--max_to_keep=100"]
+
+
+def chip_env(**extra: str) -> dict[str, str]:
+    """This environment without the test suite's CPU settings: JAX picks the accelerator."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [helpers.REPO_ROOT, env.get("PYTHONPATH")])), **extra)
+
+
+@functools.cache
+def accelerator() -> str | None:
+    code = "import jax; print(jax.default_backend())"
+    out = subprocess.run([sys.executable, "-c", code], env=chip_env(), capture_output=True, text=True, timeout=300)
+    backend = out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else None
+    return backend if backend not in (None, "cpu") else None
+
+
+@pytest.fixture(autouse=True)
+def on_the_chip():
+    if accelerator() is None:
+        pytest.skip("no accelerator: JAX finds only the CPU here (run on a device machine, tests/test_on_chip.py)")
+
+
+def train(workdir: str, *flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.train", f"--workdir={workdir}", *MODEL, *flags],
+                          env=chip_env(), cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def verify(workdir: str, env: dict, *flags: str) -> dict[int, dict]:
+    result = subprocess.run([sys.executable, "-m", "verifier.verify", f"--workdir={workdir}", "--once", *flags],
+                            env=env, cwd=helpers.REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a failing verdict, asserted on below
+    return verdicts.read_all(workdir)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    workdir = str(tmp_path_factory.mktemp("chip") / "uninterrupted")
+    result = train(workdir, f"--steps={STEPS}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def test_a_run_killed_after_a_commit_resumes_to_the_uninterrupted_loss_list_bit_for_bit(uninterrupted, tmp_path):
+    workdir = str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.train", f"--workdir={workdir}", *MODEL,
+                             f"--steps={STEPS}"], env=chip_env(), cwd=helpers.REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while EVERY not in committed_steps(workdir) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the kill landed before the run ended"
+    killed_at = committed_steps(workdir)
+    assert killed_at and killed_at[-1] < STEPS, killed_at
+    result = train(workdir, f"--steps={STEPS}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from step {killed_at[-1]}" in result.stderr
+    assert recorded_losses(workdir) == recorded_losses(uninterrupted)
+    assert sorted(recorded_losses(workdir)) == list(range(STEPS))
+
+
+def test_the_verifier_on_the_chip_reproduces_every_step_bit_for_bit(uninterrupted):
+    found = verify(uninterrupted, chip_env(), "--mesh=data=1")
+    assert {s: (found[s]["level"], found[s]["status"]) for s in committed_steps(uninterrupted)} == \
+        {s: ("reproduced", "pass") for s in committed_steps(uninterrupted)}, json.dumps(found)[-3000:]
+
+
+def test_the_chip_run_verified_on_the_host_cpu_fails_no_genuine_step(uninterrupted, tmp_path):
+    copy = str(tmp_path / "copy")
+    shutil.copytree(uninterrupted, copy, symlinks=True)
+    shutil.rmtree(verdict_file(copy, 0).parent, ignore_errors=True)  # this verifier's verdicts only
+    found = verify(copy, helpers.subprocess_env(4), "--mesh=data=4")
+    statuses = {s: (found[s]["status"], found[s]["detail"]) for s in committed_steps(copy)}
+    assert all(status in ("pass", "inconclusive") for status, _ in statuses.values()), statuses
+    assert any("recorded on TPU" in detail for _, detail in statuses.values()), statuses
