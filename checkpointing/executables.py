@@ -52,14 +52,24 @@ def load_or_compile(name: str, make_jit: Callable[[], Callable], abstract_args: 
     where = directory()
     if where is None:
         return make_jit().lower(*abstract_args).compile(), "compiled"
-    path = os.path.join(where, f"{name}-{key(abstract_args, sources)}.executable")
-    compiled = _load(path, abstract_args)
+    compiled = load_kept(name, abstract_args, sources)
     if compiled is not None:
         return compiled, "disk"
     with _persistent_cache_off():
         compiled = make_jit().lower(*abstract_args).compile()
-    _write(path, compiled)
+    _write(_path(where, name, abstract_args, sources), compiled)
     return compiled, "compiled"
+
+
+def load_kept(name: str, abstract_args: tuple, sources: Sequence[ModuleType]) -> jax.stages.Compiled | None:
+    """The executable load_or_compile kept for these arguments, or None (none kept, or unreadable). It compiles
+    nothing and changes no setting, so it may run on a thread beside another compile."""
+    where = directory()
+    return None if where is None else _load(_path(where, name, abstract_args, sources), abstract_args)
+
+
+def _path(where: str, name: str, abstract_args: tuple, sources: Sequence[ModuleType]) -> str:
+    return os.path.join(where, f"{name}-{key(abstract_args, sources)}.executable")
 
 
 def key(abstract_args: tuple, sources: Sequence[ModuleType]) -> str:
@@ -82,13 +92,19 @@ def key(abstract_args: tuple, sources: Sequence[ModuleType]) -> str:
     return digest.hexdigest()[:32]
 
 
+_UNLOADABLE: set[str] = set()  # warned about once: a second try (load_kept, then load_or_compile) says nothing
+
+
 def _load(path: str, abstract_args: tuple) -> jax.stages.Compiled | None:
+    if path in _UNLOADABLE:
+        return None
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return None
     except OSError as err:
+        _UNLOADABLE.add(path)
         logging.warning("executable %s is unreadable (%s); compiling instead", path, one_line_cause(err))
         return None
     try:
@@ -101,6 +117,7 @@ def _load(path: str, abstract_args: tuple) -> jax.stages.Compiled | None:
         in_tree = jax.tree.structure((abstract_args, {}))
         return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree)
     except Exception as err:  # noqa: BLE001  a kept executable only saves time: any failure compiles
+        _UNLOADABLE.add(path)
         logging.warning("executable %s cannot be loaded (%s); compiling instead", path, one_line_cause(err))
         return None
 
@@ -116,6 +133,7 @@ def _write(path: str, compiled: jax.stages.Compiled) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + hashlib.sha256(body).digest() + body)
         os.replace(tmp, path)
+        _UNLOADABLE.discard(path)
     except Exception as err:  # noqa: BLE001  as JAX's own cache writer: a cache write never fails a run
         logging.warning("executable %s not kept (%s); the next launch compiles it again", path,
                         one_line_cause(err))

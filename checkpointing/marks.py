@@ -69,15 +69,11 @@ def request(mesh: Mesh | None, fingerprints: bool = False, summaries: bool = Fal
 
 
 def step_marks(state, flags: jax.Array, shardings) -> tuple[jax.Array, jax.Array]:
-    """Inside a jitted step: (fingerprints uint32[n, 2], summaries float32[n, 2]) of `state` (its leaves in
-    flatten order, on the NamedShardings `shardings`), each computed only when its flag is set (else zeros).
-
-    Each device works on its own shards under `lax.cond` (no collective there: XLA's CPU runtime deadlocks
-    on a collective inside a conditional once the executable comes from the persistent compilation cache),
-    and the partial results are combined after it, every step (a few bytes per leaf). The fingerprints
-    equal fingerprint.leaf_fingerprint's exactly (integer sums); the summaries are probes.leaf_summary's
-    up to float32 rounding (the verifier recomputes them the same way, checkpointing/probes.py).
-    """
+    """Inside a jitted step: (fingerprints uint32[n, 2], summaries float32[n, 2]) of `state` (leaves in flatten
+    order, on the NamedShardings `shardings`), each computed only when its flag is set (else zeros). Each device
+    works on its shards under `lax.cond` (a collective there deadlocks XLA's CPU runtime once the executable
+    comes from the persistent cache); the parts are combined after it. The fingerprints equal
+    fingerprint.leaf_fingerprint's exactly; the summaries probes.leaf_summary's up to float32 rounding."""
     leaves, specs = jax.tree.leaves(state), [sharding.spec for sharding in jax.tree.leaves(shardings)]
     mesh = jax.tree.leaves(shardings)[0].mesh
     shapes = [_global_shape(x) for x in leaves]
@@ -232,18 +228,22 @@ def marks_fn(shardings) -> MarksFn:
     return _jitted(treedef, tuple(leaves))
 
 
-def compile_marks(abstract_state) -> str:
+def compile_marks(abstract_state, *, load_only: bool = False) -> str | None:
     """Compiles (or loads, checkpointing/executables.py) the fingerprints of marks_fn for states like
     `abstract_state` (ShapeDtypeStructs with NamedShardings); this process's restores and unasked saves of such
     states then use it (no fingerprint pass beside it). Call on every process alike (a restore's check is a
-    collective). Returns "disk" or "compiled"."""
+    collective). Returns "disk" or "compiled"; `load_only`: None where none is kept (safe beside a compile)."""
     marks = marks_fn(jax.tree.map(lambda x: x.sharding, abstract_state))
-    marks.compiled, source = executables.load_or_compile(
-        "marks-fingerprints", marks.fingerprints_jit, (abstract_state,), _FINGERPRINT_SOURCES)
+    source = "disk"
+    if load_only:
+        marks.compiled = executables.load_kept("marks-fingerprints", (abstract_state,), _FINGERPRINT_SOURCES)
+    else:
+        marks.compiled, source = executables.load_or_compile(
+            "marks-fingerprints", marks.fingerprints_jit, (abstract_state,), _FINGERPRINT_SOURCES)
+    if marks.compiled is None:
+        return None
     _COMPILED.add(_layout(abstract_state))
     return source
-
-
 # The modules whose code the fingerprints' executable runs (its kept copy's key hashes them).
 _FINGERPRINT_SOURCES = (fingerprint_lib, replicas, sys.modules[__name__])
 

@@ -1,4 +1,4 @@
-"""The multi-host protocol's scaling claims (docs/performance.md, "At scale"), on request counts.
+"""The multi-host protocol's scaling claims (docs/scale.md), on request counts.
 
 The service's own pieces (benchmarks/scale_protocol.py: the lease, the listing of committed steps,
 the verdict listing, the save's and restore's per-process reads) run with 4 and then 32 simulated

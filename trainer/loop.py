@@ -1,5 +1,6 @@
 """The training loop: build the program, run the donated step, pull losses at the log cadence."""
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -114,19 +115,23 @@ def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True)
     jit's own cache then holds these executables, so the loop's first calls compile nothing; with
     the persistent compilation cache on, a warm restart loads them from disk instead.
     """
+    # The save marks' fingerprints, dispatched after the step at the steps a save asks for; a preemption or
+    # time-based save and the restore's check dispatch the same executable (checkpointing.compile_marks), so
+    # no fingerprint pass is compiled beside it. A kept one loads on a thread beside the step's compile (on a
+    # TPU v5e that load took 4 s of a restart, docs/performance.md); one not kept compiles after it.
+    # fingerprints=False: a loop that takes none (the plain Orbax baseline of benchmarks/).
+    kept = _LOADER.submit(program.step_fn.compile_marks, program.abstract_state, True) if fingerprints else None
     if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
         program.batch_fn.lower(0).compile()
     program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
-    if fingerprints:
-        # The save marks' fingerprints, dispatched after the step at the steps a save asks for; a preemption
-        # or time-based save and the restore's check dispatch the same executable (checkpointing.
-        # compile_marks), so no fingerprint pass is compiled beside it; the summaries, where they are not taken
-        # on the host (checkpointing/probes.py), compile at the first probe. fingerprints=False: a loop that
-        # takes none (the plain Orbax baseline of benchmarks/).
-        logging.info("save marks' fingerprints: %s (process %d)", program.step_fn.compile_marks(program.abstract_state),
-                     jax.process_index())
+    if kept is not None:
+        source = kept.result() or program.step_fn.compile_marks(program.abstract_state)
+        logging.info("save marks' fingerprints: %s (process %d)", source, jax.process_index())
     if fresh:
         program.init_fn.lower().compile()
+
+
+_LOADER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marks-load")
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,

@@ -76,10 +76,10 @@ class StepFn:
         return self.jitted.lower(state, batch)
 
     @staticmethod
-    def compile_marks(abstract_state) -> str:
+    def compile_marks(abstract_state, load_only: bool = False) -> str | None:
         """Compiles (or loads, checkpointing/executables.py) the marks' fingerprints; the Checkpointer's
-        restores and unasked saves then use them too. Returns "disk" or "compiled"."""
-        return compile_marks(abstract_state)
+        restores and unasked saves then use them too. Returns "disk" or "compiled" (None: load_only found none)."""
+        return compile_marks(abstract_state, load_only=load_only)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()
