@@ -12,7 +12,7 @@ Orbax, beside what the machine itself can do with the same bytes:
                    page cache that keeps them anyway makes this a memory read, and the report says which)
   host_to_device   the host copies placed back on the devices
   service_save     CheckpointService.save() with the fingerprints from the step (as the trainer saves at a
-                   step-cadence save): save() blocking, then until committed (`total`)
+                   step-cadence save): save() blocking, then until committed (`total`), and what it blocked in
   orbax_save       ocp.CheckpointManager.save(StandardSave): the same two times
   service_restore  CheckpointService.restore() of the step just saved (its fingerprint check included)
   orbax_restore    ocp.CheckpointManager.restore(StandardRestore) of plain Orbax's step
@@ -35,7 +35,11 @@ import orbax.checkpoint as ocp
 from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks.common import CallProbe
+from checkpointing import manifest as manifest_lib
 from checkpointing import marks as marks_lib
+from checkpointing import orbax_hooks
+from checkpointing import service as service_lib
 from checkpointing.config import CheckpointConfig
 from checkpointing.platform_record import record as platform_record
 from checkpointing.service import CheckpointService, RunMetadata
@@ -46,6 +50,10 @@ _ARRAY_MIB = flags.DEFINE_integer("array_mib", 128, "Size of each array, MiB.", 
 _ROOT = flags.DEFINE_string("root", None, "The scratch directory.", required=True)
 _SAMPLES = flags.DEFINE_integer("samples", 2, "Measured rounds.", lower_bound=1)
 
+# What the service's save() calls while its caller waits (benchmarks/checkpoint_child.py times the same parts).
+PARTS = {"check_for_errors": CallProbe(service_lib.CheckpointService, "check_for_errors"),
+         "leaf_table": CallProbe(manifest_lib, "leaf_table"),
+         "orbax_manager_save": CallProbe(orbax_hooks.Manager, "save")}
 COLUMNS = 4096  # a float32 row is 16 KiB: --array_mib * 64 rows, divisible by any device count up to 64
 
 
@@ -154,14 +162,19 @@ class Cases:
         service = CheckpointService(self._dir("service"), CheckpointConfig(async_save=True, max_to_keep=2),
                                     run=self.run)
         state = self.fresh()
+        for probe in PARTS.values():
+            probe.reset()
         started = time.perf_counter()
         service.save(1, state, losses={}, reason="interval", fingerprints=self.fingerprints)
         blocking = time.perf_counter() - started
+        for probe in PARTS.values():
+            probe.require_called("CheckpointService.save()")
+        parts = {f"part:{name}": probe.seconds for name, probe in PARTS.items()}
         service.wait_until_finished()
         total = time.perf_counter() - started
         service.close()
         self.saved.add("service")
-        return {"blocking": blocking, "total": total}
+        return {"blocking": blocking, "total": total, **parts}
 
     def orbax_save(self) -> dict:
         shutil.rmtree(self._dir("orbax"), ignore_errors=True)

@@ -28,7 +28,9 @@ def checkpoint_rows(size: str, r: dict, median) -> tuple[list[str], str]:
               f"{gib / m['write_fsync.secs']:.2f} GiB/s", f"read back {gib / m['read_back.secs']:.2f} GiB/s"
               f"{'' if min(r['read_back.pages_dropped']) else ' (pages not dropped: a memory read)'}",
               f"host -> device {gib / m['host_to_device.secs']:.2f} GiB/s"]
-    return rows, f"{size} GiB: " + ", ".join(limits)
+    parts = ", ".join(f"{key.split(':', 1)[1]} {m[key] * 1e3:.1f} ms" for key in m
+                      if key.startswith("service_save.part:"))
+    return rows, f"{size} GiB: " + ", ".join(limits) + (f"; the service's save() blocked in {parts}" if parts else "")
 
 
 def report(results: dict, cadences: dict, median) -> str:
