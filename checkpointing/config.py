@@ -8,18 +8,14 @@ trainer's flags are generated from it and `check_fields` validates it, so each l
 import dataclasses
 import math
 import os
-from typing import Iterable, Mapping
+
+from runtime.mesh import format_mesh  # noqa: F401  (re-exported: checkpointing.format_mesh)
 
 AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/policy.py)
 # --save_every_secs's default: `auto` when no step cadence is given (a run always saves), else off.
 BY_STEPS_OR_AUTO = "default"
 RESUME_NAMES = ("latest", "latest_verified", "none")
 PROBE_SUMMARIES = (AUTO, "device")  # --probe_summaries (checkpointing/probes.py)
-
-
-def format_mesh(mesh: Mapping[str, int] | Iterable[tuple[str, int]]) -> str:
-    """'data=4,model=2': how a mesh (a manifest's dict, or a config's axis pairs) reads in flags and logs."""
-    return ",".join(f"{axis}={size}" for axis, size in (mesh.items() if isinstance(mesh, Mapping) else mesh))
 
 
 class ConfigError(ValueError):

@@ -18,14 +18,13 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from checkpointing import CheckpointConfig, Checkpointer
+from runtime import mesh as mesh_lib
 
 CONFIG = {"seed": 0, "learning_rate": 3e-3, "hidden": 256, "batch": 64, "features": 32}  # what a resume must keep
 
 
 def make_mesh(text: str) -> jax.sharding.Mesh:
-    sizes = {"data": jax.device_count(), "model": 1} if not text else {"data": 1, "model": 1}
-    sizes.update({k: int(v) for k, v in (part.split("=") for part in text.split(",") if part)})
-    return jax.make_mesh((sizes["data"], sizes["model"]), ("data", "model"))
+    return mesh_lib.build(mesh_lib.parse(text))  # '' puts every device on data
 
 
 def replay_program(config: dict, mesh: jax.sharding.Mesh):

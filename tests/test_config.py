@@ -12,7 +12,7 @@ from checkpointing.config import AUTO, CheckpointConfig, ConfigError
 from runtime import entry, exit_codes
 from tests import helpers
 from trainer import flags as trainer_flags
-from trainer.config import TrainConfig, validate
+from trainer.config import TrainConfig, parse_mesh, validate
 
 FLAGS = flags.FLAGS
 
@@ -109,3 +109,21 @@ def test_the_verifier_refuses_a_trainer_flag(tmp_path):
     result = helpers.run_module("verifier.verify", f"--workdir={tmp_path}", "--once", "--steps=5", timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: Unknown command line flag 'steps'"]
+
+
+def test_one_mesh_module_reads_and_builds_the_mesh_for_the_trainer_the_verifier_and_the_records():
+    """runtime/mesh.py: the text, the sizes and the Mesh agree wherever a mesh is read or built."""
+    from runtime import mesh as mesh_lib
+    from verifier.layouts import other_meshes
+
+    pairs = mesh_lib.parse("model=2,data=4")
+    assert pairs == (("model", 2), ("data", 4)) and mesh_lib.format_mesh(pairs) == "model=2,data=4"
+    assert mesh_lib.sizes(pairs) == {"data": 4, "model": 2} and mesh_lib.sizes((), 8) == {"data": 8, "model": 1}
+    built = mesh_lib.build(pairs)
+    assert built.axis_names == mesh_lib.AXES and dict(built.shape) == {"data": 4, "model": 2}
+    assert dict(mesh_lib.build().shape) == {"data": 8, "model": 1}, "no sizes: every device on data"
+    assert [dict(m.shape) for m in other_meshes(built)][:2] == [{"data": 2, "model": 4}, {"data": 8, "model": 1}]
+    with pytest.raises(mesh_lib.MeshError, match="--meshes: axis 'data' given twice"):
+        mesh_lib.parse("data=2,data=4", "--meshes")
+    with pytest.raises(ConfigError, match="--mesh: unknown axis 'pipe'"):  # the trainer's flags: its ConfigError
+        parse_mesh("pipe=2")

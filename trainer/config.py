@@ -14,10 +14,11 @@ import json
 import os
 import tempfile
 
-from checkpointing import (CheckpointConfig, ConfigError, check_fields, expand_local_dir, format_mesh, option,
+from checkpointing import (CheckpointConfig, ConfigError, check_fields, expand_local_dir, option,
                            resolve_path)
+from runtime import mesh as mesh_lib
 
-MESH_AXES = ("data", "model")
+MESH_AXES = mesh_lib.AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +82,7 @@ class TrainConfig:
 
     def mesh_shape(self) -> dict[str, int]:
         """Axis sizes by name, every axis of MESH_AXES present (a missing axis is 1)."""
-        sizes = dict.fromkeys(MESH_AXES, 1)
-        sizes.update(dict(self.mesh))
-        return sizes
+        return mesh_lib.sizes(self.mesh)
 
     def fixed_names(self) -> tuple[str, ...]:
         """FIXED_FIELDS and the model spec's fixed fields: the names the Checkpointer hashes."""
@@ -169,19 +168,11 @@ def _default(name: str):
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
-    """Parses 'data=4,model=2' into (('data', 4), ('model', 2)); '' means 'all devices on data'."""
-    axes = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, size = item.partition("=")
-        name = name.strip()
-        if name not in MESH_AXES:
-            raise ConfigError(f"--mesh: unknown axis {name!r} in {text!r}; known axes: {', '.join(MESH_AXES)}")
-        if not sep or not size.strip().isdigit() or int(size) < 1:
-            raise ConfigError(f"--mesh: axis {name!r} needs a positive integer size, got {item!r}")
-        if name in dict(axes):
-            raise ConfigError(f"--mesh: axis {name!r} given twice in {text!r}")
-        axes.append((name, int(size)))
-    return tuple(axes)
+    """Parses 'data=4,model=2' into (('data', 4), ('model', 2)); '' means 'all devices on data' (runtime/mesh.py)."""
+    try:
+        return mesh_lib.parse(text)
+    except mesh_lib.MeshError as err:
+        raise ConfigError(str(err)) from None
 
 
 def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:
@@ -244,22 +235,10 @@ def check_training_fields(config: TrainConfig, spec) -> TrainConfig:
 
 
 def check_mesh(mesh: tuple[tuple[str, int], ...], device_count: int) -> None:
-    total = 1
-    for _, size in mesh:
-        total *= size
-    if mesh and total != device_count:
-        raise ConfigError(f"--mesh={format_mesh(mesh)} has {total} devices but {device_count} are visible"
-                          + (_fake_devices_hint(total) if total > device_count else ""))
-
-
-def _fake_devices_hint(wanted: int) -> str:
-    """On a CPU-only machine XLA can fake any number of devices: say how (the README's mesh needs 8)."""
-    import jax
-
-    if jax.default_backend() != "cpu":
-        return ""
-    return (f" (on CPU, fake them: XLA_FLAGS=--xla_force_host_platform_device_count={wanted}, set before the "
-            "command)")
+    try:
+        mesh_lib.check(mesh, device_count)
+    except mesh_lib.MeshError as err:
+        raise ConfigError(str(err)) from None
 
 
 def validate_workdir(workdir: str) -> None:

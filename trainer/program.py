@@ -14,21 +14,19 @@ import functools
 from typing import Any, Callable
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from checkpointing import marks_fn as save_marks_fn
+from runtime import mesh as mesh_lib
 from trainer import data, models, state as state_lib, step as step_lib
-from trainer.config import MESH_AXES, ConfigError, TrainConfig, validate
+from trainer.config import ConfigError, TrainConfig, validate
 
 REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
 
 
 def build_mesh(config: TrainConfig, devices=None) -> Mesh:
     """The ('data', 'model') mesh of the config over all (or the given) devices."""
-    sizes = config.mesh_shape()
-    # Auto axes: shardings are given explicitly at the jit boundaries and XLA partitions inside.
-    return jax.make_mesh(tuple(sizes[name] for name in MESH_AXES), MESH_AXES,
-                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    return mesh_lib.build(config.mesh_shape(), devices)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,9 @@ from absl import flags, logging  # noqa: E402
 
 from checkpointing.config import ConfigError  # noqa: E402
 from runtime import entry  # noqa: E402
+from runtime import mesh as mesh_lib  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402  (the model's flags, a spec's own fields included)
-from trainer.config import check_mesh, parse_mesh, validate  # noqa: E402
+from trainer.config import validate  # noqa: E402
 from verifier import drift, tolerances  # noqa: E402
 
 MESHES = flags.DEFINE_string("meshes", "data=4,model=2;data=8;data=2,model=4",
@@ -46,7 +47,7 @@ NOISE_RATIO = flags.DEFINE_float("noise_ratio", tolerances.NOISE_RATIO,
 
 
 def parse_meshes(text: str) -> list[tuple[tuple[str, int], ...]]:
-    meshes = [parse_mesh(part) for part in text.split(";") if part.strip()]
+    meshes = [mesh_lib.parse(part) for part in text.split(";") if part.strip()]
     if len(meshes) < 2 or any(not mesh for mesh in meshes):
         raise ConfigError(f"--meshes={text!r}: give two or more meshes separated by ';', e.g. data=4,model=2;data=8")
     return meshes
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> None:
         flags.FLAGS.workdir = "unused"  # the trainer's config wants one; nothing is written there
     sizes = [math.prod(size for _, size in mesh) for mesh in meshes]
     if max(sizes) > jax.device_count():
-        check_mesh(meshes[sizes.index(max(sizes))], jax.device_count())  # its error says how to fake devices
+        mesh_lib.check(meshes[sizes.index(max(sizes))], jax.device_count())  # its error says how to fake devices
     config = trainer_flags.config_from_flags()
     if config.steps < 1:  # at the init the moments are zero and step 0 is the right index: nothing is broken
         raise ConfigError("--steps must be at least 1: seed 003's broken resumes need a trained state")

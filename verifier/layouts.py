@@ -11,10 +11,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 
 from checkpointing import compare
-from trainer.config import MESH_AXES
+from runtime import mesh as mesh_lib
 from verifier import evidence
 
 
@@ -27,11 +26,9 @@ def other_meshes(mesh) -> list:
                                      key=lambda size: -size[0])
     ordered = [size for i, size in enumerate(sizes) if size != current and size not in sizes[:i]]
     devices = list(mesh.devices.flat)
-    meshes = [jax.make_mesh(size, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
-              for size in ordered]
+    meshes = [mesh_lib.build(dict(zip(mesh_lib.AXES, size)), devices) for size in ordered]
     if count > 1:
-        meshes.append(jax.make_mesh((1, 1), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                                    devices=devices[:1]))
+        meshes.append(mesh_lib.build({}, devices[:1]))
     return meshes
 
 

@@ -27,7 +27,6 @@ import time
 
 import jax
 from absl import logging
-from jax.sharding import AxisType
 
 from checkpointing import compare
 from checkpointing import content
@@ -37,8 +36,8 @@ from checkpointing.errors import (CheckpointError, FingerprintMismatchError, Sto
                                   TreeMismatchError)
 from checkpointing.service import CheckpointService
 from checkpointing.workdir import committed_steps, is_committed, read_manifest
-from trainer.config import MESH_AXES
 from runtime import collective
+from runtime import mesh as mesh_lib
 from verifier import faults
 from verifier import identity
 from verifier import layouts
@@ -96,9 +95,7 @@ class StepProofs(ChainProofs):
     def mesh(self):
         """The verifier's own mesh: --mesh over all its devices (data=<devices> by default)."""
         if self._mesh is None:
-            sizes = {**dict.fromkeys(MESH_AXES, 1), **(dict(self.options.mesh) or {"data": jax.device_count()})}
-            self._mesh = jax.make_mesh(tuple(sizes[name] for name in MESH_AXES), MESH_AXES,
-                                       axis_types=(AxisType.Auto,) * len(MESH_AXES))
+            self._mesh = mesh_lib.build(self.options.mesh)
         return self._mesh
 
     def run_manifest(self) -> dict | None:

@@ -23,9 +23,9 @@ from checkpointing.workdir import committed_steps
 from checkpointing.errors import VerificationFailedError
 from checkpointing.storage import check_workdir
 from runtime import distributed, entry, exit_codes
+from runtime import mesh as mesh_lib
 from checkpointing.config import ConfigError
 from trainer import compile_cache
-from trainer.config import check_mesh, parse_mesh
 from verifier import tolerances
 from verifier.ledger import ALL
 from verifier.verifier import Verifier, VerifierOptions
@@ -98,8 +98,8 @@ def main(argv: list[str]) -> int:
         raise ConfigError("--workdir is required")
     # --once needs the workdir now; --follow may start before the trainer creates it.
     workdir = check_workdir(WORKDIR.value, must_exist=ONCE.value)  # absolute from here on
-    mesh = parse_mesh(MESH.value)
-    check_mesh(mesh, jax.device_count())
+    mesh = mesh_lib.parse(MESH.value)
+    mesh_lib.check(mesh, jax.device_count())
     reverify = reverify_steps(REVERIFY.value, workdir) if REVERIFY.value else ()
     cache_dir = COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
