@@ -45,7 +45,8 @@ _SAMPLES = flags.DEFINE_integer("samples", 2, "The checkpoint part's measured ro
 _MODEL = flags.DEFINE_list("model_flags", ["--model=transformer", "--hidden_dim=1024", "--num_layers=8",
                                            "--num_heads=8", "--seq_len=256", "--vocab_size=8192", "--batch_size=16"],
                            "The goodput and restart runs' model (a 108M-parameter transformer: 1.3 GB with Adam).")
-_REALISTIC = flags.DEFINE_list("realistic", ["600", "300"], "STEPS,EVERY of the realistic cadence.")
+_REALISTIC = flags.DEFINE_list("realistic", ["1200", "300"], "STEPS,EVERY of the realistic cadence (4 saves: the "
+                                "final commit, which every variant waits for, weighs a quarter as much).")
 _WRITE_BOUND = flags.DEFINE_list("write_bound", ["120", "20"], "STEPS,EVERY of the write-bound cadence.")
 _RESTART_STEPS = flags.DEFINE_integer("restart_steps", 5, "Steps each restart runs.")
 _VERIFIER_MODEL = flags.DEFINE_list(
