@@ -11,8 +11,8 @@ import importlib
 _PUBLIC = {
     # the service
     "Checkpointer": "checkpointer", "SaveEvent": "saver", "RestoreResult": "restore",
-    "restore_subtree": "partial", "Preempted": "saver", "step_marks": "marks", "mark_request": "marks",
-    "marks_fn": "marks", "compile_marks": "marks", "compile_fingerprint_pass": "fingerprint",
+    "restore_subtree": "partial", "Preempted": "saver", "ReplayProgram": "replay", "step_marks": "marks",
+    "mark_request": "marks", "marks_fn": "marks", "compile_marks": "marks", "compile_fingerprint_pass": "fingerprint",
     # configuration
     "CheckpointConfig": "config", "ConfigError": "config", "AUTO": "config", "option": "config",
     "check_fields": "config", "format_mesh": "config", "resolve_path": "config", "parse_save_every_secs": "config",

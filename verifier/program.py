@@ -2,7 +2,8 @@
 
 A run names its program in every manifest ("package.module:factory", the Checkpointer's `program`).
 The verifier imports the factory and calls it with the config the manifest recorded and the
-verifier's own mesh (axes 'data' and 'model'); it returns an object with:
+verifier's own mesh (axes 'data' and 'model'); it returns a checkpointing.ReplayProgram (checked here,
+at load, by checkpointing/replay.py's missing_members):
 
     mesh            the mesh it was built on
     abstract_state  the state as ShapeDtypeStructs with this mesh's shardings (the restore target)
@@ -38,13 +39,12 @@ import jax
 
 from checkpointing import compare
 from checkpointing import marks as marks_lib
+from checkpointing import replay
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.input_state import read_input_states
 from runtime.dispatch import blocks_each_step
 
 TRAINER_PROGRAM = "trainer.program:replay_program"
-REQUIRED = ("mesh", "abstract_state", "state_shardings", "init_fn", "step_fn")
-INPUTS = ("batch_fn", "batches_from")  # one of them: the batches as a function of the step, or of saved states
 
 
 class ProgramError(ValueError):
@@ -64,9 +64,7 @@ def load(manifest: dict, mesh):
     except Exception as err:  # the recorded config is the run's; anything it makes the factory raise is named
         raise ProgramError(f"program {reference}: cannot build it from the recorded config "
                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
-    missing = [name for name in REQUIRED if not hasattr(program, name)]
-    if not any(hasattr(program, name) for name in INPUTS):
-        missing.append(" or ".join(INPUTS))
+    missing = replay.missing_members(program)
     if missing:
         raise ProgramError(f"program {reference}: its factory's result has no {', '.join(missing)}")
     return program
