@@ -21,7 +21,7 @@ _PUBLIC = {
     "tensorboard_dir": "workdir", "expand_local_dir": "workdir", "check_workdir": "storage",
     "read_input_states": "input_state", "newest_proved_step": "verdicts", "recorded_losses": "report",
     "table_rows": "report",
-    "format_table": "report", "draw_plot": "plot", "plot_series": "plot", "reference_loss": "plot",
+    "format_table": "report", "draw_plot": "plot_draw", "plot_series": "plot", "reference_loss": "plot",
     "PLOT_FORMATS": "plot", "proof_series": "plot", "read_history": "history", "attempt_record": "history",
     "last_attempt_id": "history", "layout_of": "history",
     # errors

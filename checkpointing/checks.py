@@ -3,17 +3,13 @@
 Config and tree are checked against the manifest before any array is read; fingerprints after.
 """
 
-from typing import TYPE_CHECKING
-
 from checkpointing import manifest as manifest_lib
 from checkpointing import marks as marks_lib
 from checkpointing.errors import ConfigMismatchError, FingerprintMismatchError, TreeMismatchError
-
-if TYPE_CHECKING:
-    from checkpointing.service import RunMetadata
+from checkpointing.run_metadata import RunMetadata
 
 
-def check_config_matches(step: int, manifest: dict, run: "RunMetadata") -> None:
+def check_config_matches(step: int, manifest: dict, run: RunMetadata) -> None:
     """ConfigMismatchError naming every fixed field that differs between the checkpoint and `run`."""
     if manifest["fixed_hash"] == run.fixed_hash:
         return

@@ -29,7 +29,7 @@ and it saves only `state`.
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import jax
 import orbax.checkpoint as ocp
@@ -43,8 +43,12 @@ from checkpointing.config import format_mesh
 from checkpointing.errors import (CheckpointError, ConfigMismatchError, CorruptCheckpointError,
                                   FingerprintMismatchError, ManifestError, NoSuchCheckpointError, TreeMismatchError)
 
-if TYPE_CHECKING:
-    from checkpointing.service import CheckpointService
+class LocalSteps(Protocol):
+    """What this module reads of a tier's CheckpointService (service.py opens this host's local one)."""
+
+    def committed_steps(self) -> list[int]: ...
+
+    def read_manifest(self, step: int) -> dict: ...
 
 
 class LocalLayoutMismatchError(CheckpointError):
@@ -135,7 +139,7 @@ def check_layout(step: int, manifest: dict, abstract_state) -> None:
             "(its partitioning changed)")
 
 
-def other_layout(service: "CheckpointService", abstract_state) -> str | None:
+def other_layout(service: LocalSteps, abstract_state) -> str | None:
     """Why the local tier cannot serve this layout (collective), or None: each process checks the
     layout of its own newest local step, and the first mismatch any process finds is everyone's answer.
 
@@ -155,12 +159,12 @@ def other_layout(service: "CheckpointService", abstract_state) -> str | None:
     return problem or f"process {first} holds local steps saved by another layout"
 
 
-def _every_process_steps(service: "CheckpointService") -> list[set[int]]:
+def _every_process_steps(service: LocalSteps) -> list[set[int]]:
     """Each process's committed local steps (collective: every process calls it)."""
     return [set(steps) for steps in collective.gather_lists(service.committed_steps())]
 
 
-def complete_local_steps(service: "CheckpointService") -> list[int]:
+def complete_local_steps(service: LocalSteps) -> list[int]:
     """Steps EVERY process has committed in its own local directory, ascending; the same on all processes.
 
     Collective: every process calls it. A single process returns its own listing.
@@ -168,7 +172,7 @@ def complete_local_steps(service: "CheckpointService") -> list[int]:
     return sorted(set.intersection(*_every_process_steps(service)))
 
 
-def any_local_steps(service: "CheckpointService") -> list[int]:
+def any_local_steps(service: LocalSteps) -> list[int]:
     """Steps ANY process has committed locally, ascending; the same on all processes (collective).
 
     What a resume sets aside above its start step, so no process's old copy collides with a new save.

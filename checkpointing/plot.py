@@ -177,11 +177,3 @@ def proof_series(run: Series, reference: tuple[list[int], list[float]], toleranc
     plotted = [floor if d == 0 else (d if math.isfinite(d) else ceiling) for d in differences]
     return Proof(steps, differences, plotted, floor, ceiling, tolerance,
                  [s for s, d in zip(steps, differences) if d == 0])
-
-
-def draw(run: Series, path: str, *, title: str, reference: tuple[list[int], list[float]] | None = None,
-         proof: Proof | None = None, crash_label: str = "crash") -> None:
-    """Writes the picture to `path` (local or gs://), PNG or SVG by its extension (plot_draw.py)."""
-    from checkpointing import plot_draw
-
-    plot_draw.draw(run, path, title=title, reference=reference, proof=proof, crash_label=crash_label)

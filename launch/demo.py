@@ -31,7 +31,7 @@ from absl import flags, logging
 
 from checkpointing import compare
 from checkpointing import manifest as manifest_lib
-from checkpointing import plot
+from checkpointing import plot, plot_draw
 from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from checkpointing.config import format_mesh, resolve_path
@@ -141,7 +141,7 @@ def draw_picture(run: str, reference: str, path: str, *, title: str, model: str)
     """The run's history over the uninterrupted one's, and the proof panel at the model's tolerance."""
     series, expected = plot.series(run), plot.reference_loss(reference)
     proof = plot.proof_series(series, expected, models.resolve(model).cross_mesh_loss_rtol)
-    plot.draw(series, path, title=title, reference=expected, proof=proof, crash_label="SIGKILL to process 1")
+    plot_draw.draw(series, path, title=title, reference=expected, proof=proof, crash_label="SIGKILL to process 1")
 
 
 def equal_loss_lists(run: str, reference: str, preempted_at: int, model: str) -> tuple[bool, str]:

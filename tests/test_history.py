@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from checkpointing import history, plot, read_history
+from checkpointing import history, plot, plot_draw, read_history
 from checkpointing import workdir as workdir_lib
 from checkpointing.history import Attempt, parse_metrics
 from checkpointing.workdir import committed_steps, read_manifest
@@ -150,7 +150,7 @@ def test_plot_series_draws_each_attempt_its_crash_and_the_eval_losses(tmp_path):
     assert [(r.step, r.tier) for r in run.resumes] == [(10, "local")]
     assert (run.eval_steps, run.eval_values) == ([10, 20], [4.5, 3.5])
     out = tmp_path / "run.png"
-    plot.draw(run, str(out), title="run")
+    plot_draw.draw(run, str(out), title="run")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -241,8 +241,6 @@ def _title_inside(picture) -> tuple:
     "/mnt/checkpoints/" + "a-very-long-workdir-name_" * 12 + ": the job crashed, resumed from its local tier",
 ])
 def test_the_title_fits_inside_the_picture(killed_then_preempted, title):
-    from checkpointing import plot_draw
-
     run = plot.series(killed_then_preempted)
     proof = plot.proof_series(run, (run.loss_steps, run.loss_values), tolerance=1e-5)
     picture = plot_draw.figure(run, title=title, reference=(run.loss_steps, run.loss_values), proof=proof)
