@@ -10,16 +10,16 @@ state, and save() dispatches none:
     marks = marks_fn(shardings)(state, wanted) if wanted.any else None   # dispatches what was asked
     checkpointer.on_step(step + 1, state, loss, marks=marks)
 
-The marks are (uint32[n, 2] fingerprints, float32[n, 2] summaries) in leaf order, replicated; a part not asked
-is None. Two executables per layout: the fingerprints (each device hashes its slice, one all-reduce), compiled
-before a restart's restore (its check needs them), and the summaries where the probe does not take them on the
-host (checkpointing/probes.py), compiled on a thread while the loop trains (`compile_summaries_ahead`: at the
-first probe they stopped a TPU's loop 6-15 s, docs/performance.md). Neither holds a conditional nor is inside
-the step (that changed how XLA compiled the update). `step_marks`: the same in a caller's jit, asked by a bool[2]
-`flags` (`request(mesh, ...).flags`). An unasked save dispatches the fingerprints itself (tests/test_marks.py).
+The marks (uint32[n, 2] fingerprints, float32[n, 2] summaries; None where not asked), two executables per
+layout: the fingerprints (each device hashes its slice, one all-reduce), compiled before a restart's restore,
+and the summaries where the probe does not take them on the host (checkpointing/probes.py), compiled on a
+thread while the loop trains (`compile_summaries_ahead`: at the first probe they stopped a TPU's loop 6-15 s).
+Neither holds a conditional nor is inside the step (that changed how XLA compiled the update). `step_marks`:
+the same in a caller's jit, asked by a bool[2] `flags`. An unasked save dispatches the fingerprints itself.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -119,8 +119,7 @@ def _shard_lanes(shards, specs, shapes, mesh: Mesh) -> jax.Array:
 
 
 def _owned(specs, mesh: Mesh) -> jax.Array:
-    """bool[n]: whether this device's shard of each leaf counts: on the device at index 0 of every mesh axis
-    the leaf is not sharded over (a replicated shard is counted once)."""
+    """bool[n]: whether this device's shard of each leaf counts (a replicated shard is counted once, at index 0)."""
     first = {axis: jax.lax.axis_index(axis) == 0 for axis in mesh.axis_names}
     used = [{axis for entry in spec for axis in _axes(entry)} for spec in specs]
     return jnp.stack([functools.reduce(jnp.logical_and, [first[a] for a in mesh.axis_names if a not in u],
@@ -162,9 +161,8 @@ _leaf_summary = jax.jit(probes.leaf_summary)
 
 
 def _stacked_fingerprints(state, shardings: tuple) -> jax.Array:
-    """uint32[n, 2]: each leaf's fingerprint.leaf_fingerprint (integer sums: the same values), each leaf read once
-    in the pod: a leaf replicated over processes too is split over them (replicas.spread), and the partial lanes
-    meet in one all-reduce of n x 2 words (per leaf, as XLA partitions reductions, gloo cost what the split saved)."""
+    """uint32[n, 2]: each leaf's fingerprint.leaf_fingerprint (the same integers), each leaf read once in the pod (a
+    leaf replicated over processes is split over them, replicas.spread); the lanes meet in one all-reduce."""
     leaves = jax.tree.leaves(state)
     mesh = shardings[0].mesh
     specs = [(replicas.spread(sharding, x.shape, across_processes=True) or sharding).spec
@@ -199,9 +197,12 @@ class MarksFn:
         if self._summaries_ahead is None:
             self._summaries_ahead = _AHEAD.submit(lambda: self.summaries.lower(abstract_state).compile())
 
-    def summary(self, state) -> jax.Array:  # a compile ahead that failed: jit's own compile says why
+    def summary(self, state) -> jax.Array:  # a compile ahead that failed or does not fit: jit compiles its own
         ahead = self._summaries_ahead
-        return ahead.result()(state) if ahead is not None and ahead.exception() is None else self.summaries(state)
+        if ahead is not None and ahead.exception() is None:
+            with contextlib.suppress(TypeError, ValueError):  # another layout than the one compiled for
+                return ahead.result()(state)
+        return self.summaries(state)
 
     def fingerprints_jit(self):
         """A new jit of the fingerprints (its own caches: what executables.load_or_compile keeps is compiled)."""
@@ -262,8 +263,7 @@ def compiled_for(tree) -> bool:
 
 
 class Fingerprints:
-    """A state's fingerprints, dispatched now and read back by `ints()`: from its layout's compiled marks, else
-    from the fingerprint pass (the same values)."""
+    """A state's fingerprints, dispatched now, read by `ints()`: from compiled marks, else the pass (same values)."""
 
     def __init__(self, state):
         self._marks = self._pass = None
