@@ -28,7 +28,7 @@ from tests import helpers
 
 pytestmark = [pytest.mark.chip, pytest.mark.slow]
 
-STEPS, EVERY = 60, 20
+STEPS, EVERY = 200, 20  # a few seconds of training after the first commit: the kill lands before the end
 MODEL = ["--model=transformer", "--hidden_dim=256", "--num_layers=2", "--num_heads=4", "--seq_len=64",
          "--vocab_size=1024", "--batch_size=8", "--mesh=data=1", f"--save_every_steps={EVERY}", "--max_to_keep=100"]
 
