@@ -16,7 +16,7 @@ if [[ -d .whl-tpu ]]; then
 fi
 if [[ "${1:-}" == tests ]]; then
   shift
-  exec python3 -m pytest -m chip tests/test_on_chip.py "$@"
+  CHIP_TESTS=1 exec python3 -m pytest -m chip tests/test_on_chip.py "$@"
 fi
 out="${OUT:-$PWD/device-bench-out}"
 mkdir -p "$out"
