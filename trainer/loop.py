@@ -13,7 +13,7 @@ from checkpointing import Checkpointer, Preempted, Workdir, format_mesh, layout_
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
-from trainer import compile_cache, data, metrics, models
+from trainer import compile_cache, data, metrics, model_config, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
@@ -142,7 +142,7 @@ def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = Non
     `workdir`: the start-up's one open of --workdir, if the caller read it already."""
     workdir = workdir if workdir is not None else Workdir(config.workdir)
     recorded = inputs.recorded() if inputs is not None else {}
-    fixed = tuple(config.fixed_names()) + (inputs.fixed_names() if inputs is not None else ())
+    fixed = tuple(model_config.fixed_names(config)) + (inputs.fixed_names() if inputs is not None else ())
     identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config, workdir)}
     return Checkpointer(workdir, config.checkpoint, config=identity, fixed=fixed,
                         mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog,
