@@ -103,7 +103,7 @@ def test_once_proves_two_steps_at_a_time_intact_first_each_restored_once(workdir
     # A new verifier proves steps intact before it compiles its replay: the first verdicts wait for no compile;
     # then each layout's program (its own, and the other it measures the noise on) compiles its step once.
     assert verifier.compiled_steps[:HELD_STATES] == [0] * HELD_STATES
-    assert verifier.compiled_steps[-1] == len(verifier._programs) == 2
+    assert verifier.compiled_steps[-1] == len(verifier._context.programs) == 2
 
 
 def test_replay_steps_below_the_interval_is_a_weaker_level_that_never_anchors_a_resume(workdir, trained):

@@ -14,5 +14,5 @@ class RecordingVerifier(Verifier):
 
     def _write(self, verdict):
         self.writes.append((verdict["step"], verdict["complete"]))
-        self.compiled_steps.append(sum(program.step_fn._cache_size() for program in self._programs.values()))
+        self.compiled_steps.append(sum(program.step_fn._cache_size() for program in self._context.programs.values()))
         super()._write(verdict)

@@ -1,12 +1,13 @@
 """The full proof of a checkpoint: a replay from the newest proved state before it up to the step, then
 the step's whole state compared (the chain of trust; verifier/proofs.py's docstring has the levels).
 
-A base of verifier/proofs.py's StepProofs, which owns the restores, the verdicts and the cheap proof;
-this part owns the anchors (the proved states replays start from) and the full replay's comparisons.
+ChainProver owns the anchors (the proved states replays start from) and the full replay's comparisons;
+verifier/proofs.py's StepProver holds one, and owns the restores, the verdicts and the cheap proof.
 """
 
 import dataclasses
 import time
+from typing import Callable
 
 import jax
 from absl import logging
@@ -36,21 +37,32 @@ class Anchor:
     input_states: list | None = None  # the iterator states saved at `step` (verifier/program.py)
 
 
-class ChainProofs:
-    """The full proof and its anchors (see the module docstring); StepProofs provides the rest."""
+class ChainProver:
+    """The full proof and its anchors (see the module docstring), on the verifier's shared ProofContext
+    (verifier/context.py); `verdict` builds every verdict it gives (StepProver.verdict's signature)."""
 
-    def _prove_chain(self, step: int, held, anchor: Anchor) -> dict:
+    def __init__(self, context, verdict: Callable[..., dict]):
+        self._context = context
+        self._options = context.options
+        self._verdict = verdict
+        self._anchor: Anchor | None = None  # the newest step this process proved
+
+    def proved(self, anchor: Anchor) -> None:
+        """`anchor` passed a proof of a proved level: the next full proof may replay from it."""
+        self._anchor = anchor
+
+    def prove(self, step: int, held, anchor: Anchor) -> dict:
         """The full proof: replayed from the newest proved state before it (held here, else a proved
         step on disk, else the run's init) up to this step."""
         state, manifest, program, durations = held.state, held.manifest, held.program, held.durations
         distance = step - anchor.step
-        count = min(distance, self.options.replay_steps)
+        count = min(distance, self._options.replay_steps)
         recorded = {s: v for s, v in manifest_lib.losses(manifest).items() if anchor.step <= s < anchor.step + count}
         origin = f"step {anchor.step}" if anchor.step != INIT else identity.init_origin(manifest)
         if count == 0 or (count < distance and not recorded):
             return self._verdict(step, manifest, "intact", "pass",
                                  f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
-                                 f"--replay_steps={self.options.replay_steps} and reach none of its recorded losses",
+                                 f"--replay_steps={self._options.replay_steps} and reach none of its recorded losses",
                                  durations)
         # The anchor's save too: a chain of trust that crossed a code change says so instead of passing.
         change = program_lib.code_change(program, self._manifests_between(anchor.step - 1, step) + [manifest])
@@ -61,9 +73,9 @@ class ChainProofs:
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         batches = program_lib.batches_at(program, anchor.input_states, held.input_states)
-        replayed_state, replayed = self._replay(program, layouts.copy_onto(anchor.state, program.state_shardings),
-                                                anchor.step, count, batches)
-        self._budget.replayed(count)
+        replayed_state, replayed = self._context.replay(
+            program, layouts.copy_onto(anchor.state, program.state_shardings), anchor.step, count, batches)
+        self._context.budget.replayed(count)
         level = "reproduced" if count == distance else "replayed"
         if exact:  # the recording layout and platform: the values themselves, bit for bit
             mismatch, largest = compare.compare_losses(replayed, recorded, 0.0)
@@ -112,11 +124,11 @@ class ChainProofs:
             judgement.replays = len(losses)
             return judgement
 
-        for other in self._other_programs(held.manifest):
+        for other in self._context.other_programs(held.manifest):
             batches = program_lib.batches_at(other, anchor.input_states, held.input_states)
-            other_state, other_losses = self._replay(other, layouts.copy_onto(anchor.state, other.state_shardings),
-                                                     anchor.step, count, batches)
-            self._budget.replayed(count)
+            other_state, other_losses = self._context.replay(
+                other, layouts.copy_onto(anchor.state, other.state_shardings), anchor.step, count, batches)
+            self._context.budget.replayed(count)
             losses.append(other_losses)
             states.append(layouts.moved_onto(other_state, program.state_shardings))
             judgement = judge()
@@ -127,15 +139,15 @@ class ChainProofs:
         # No other layout (one device, or --measure_noise=false): the bounds the program declares, if any.
         return judge() if any(floors) else evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
 
-    def _anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
-        """The step _anchor_for would start from, without restoring anything."""
+    def anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
+        """The step anchor_for would start from, without restoring anything."""
         held = self._anchor
         candidates = [INIT] + ([disk_anchor] if disk_anchor is not None and disk_anchor < step else [])
         if held is not None and held.fixed_hash == manifest["fixed_hash"] and held.step < step:
             candidates.append(held.step)
         return max(candidates)
 
-    def _anchor_for(self, step: int, manifest: dict, program, disk_anchor: int | None) -> Anchor:
+    def anchor_for(self, step: int, manifest: dict, program, disk_anchor: int | None) -> Anchor:
         """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init."""
         fixed_hash = manifest["fixed_hash"]
         held = self._anchor
@@ -144,19 +156,19 @@ class ChainProofs:
             return held
         if disk_anchor is not None and disk_anchor < step:
             try:
-                anchor_manifest = read_manifest(self.options.workdir, disk_anchor)
+                anchor_manifest = read_manifest(self._options.workdir, disk_anchor)
                 if anchor_manifest["fixed_hash"] == fixed_hash:
-                    restored = self._service.restore(disk_anchor, program.abstract_state).state
+                    restored = self._context.service.restore(disk_anchor, program.abstract_state).state
                     self._check_proved_content(disk_anchor, anchor_manifest, restored)
                     self._anchor = Anchor(disk_anchor, restored, fixed_hash,
-                                          program_lib.input_states(self.options.workdir, disk_anchor, program))
+                                          program_lib.input_states(self._options.workdir, disk_anchor, program))
                     return self._anchor
             except CheckpointError as err:  # deleted, damaged or edited since it was proved: start further back
                 logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
         # The run's init (the step's identity is the run's: verifier/identity.py); a run started from
         # another run's step (--init_from) takes that step's params, checked against their
         # fingerprints and the digest the run recorded.
-        run = self.run_manifest() or manifest
+        run = self._context.run_manifest() or manifest
         return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state,
                                                     run.get("init_from")), fixed_hash)
 
@@ -164,7 +176,7 @@ class ChainProofs:
         """A proved step restored from disk must hold the content its verdict proved (checkpointing/content.py):
         arrays edited since, the manifest untouched, pass the fingerprints but never anchor a proof. Its verdict
         is replaced by the failure (evidence: the step on disk is not the one proved)."""
-        verdict = verdicts.for_save(self.options.workdir, step, manifest.get("digest")) or {}
+        verdict = verdicts.for_save(self._options.workdir, step, manifest.get("digest")) or {}
         changed = content.differing(state, verdict.get("content_sha256") or {}) if jax.process_index() == 0 else []
         if not collective.decided_by_primary(lambda: bool(changed)):
             return
@@ -172,9 +184,9 @@ class ChainProofs:
                   f"proved ({len(changed) or 'some'} leaf(s) differ): edited after the proof")
         if jax.process_index() == 0:
             logging.error("verdict step %d: intact fail: %s", step, detail)
-            verdicts.write(self.options.workdir, self._verdict(step, manifest, "intact", "fail", detail, {},
-                                                                mismatch={"kind": "leaf", "where": changed[0],
-                                                                          "expected": None, "actual": None}),
+            verdicts.write(self._options.workdir, self._verdict(step, manifest, "intact", "fail", detail, {},
+                                                                 mismatch={"kind": "leaf", "where": changed[0],
+                                                                           "expected": None, "actual": None}),
                            replace=True)  # evidence that the verdict no longer describes the step on disk
         raise CorruptCheckpointError(f"step {step}: {detail}")
 
@@ -183,18 +195,18 @@ class ChainProofs:
         if not layouts.same_layout(program.mesh, manifest):
             return False
         try:
-            return all(layouts.same_layout(program.mesh, read_manifest(self.options.workdir, s))
-                       for s in committed_steps(self.options.workdir) if first < s < last)
+            return all(layouts.same_layout(program.mesh, read_manifest(self._options.workdir, s))
+                       for s in committed_steps(self._options.workdir) if first < s < last)
         except CheckpointError:
             return False
 
     def _manifests_between(self, first: int, last: int) -> list[dict]:
         """The manifests of the committed steps strictly between `first` and `last` (unreadable: skipped)."""
         found = []
-        for other in committed_steps(self.options.workdir):
+        for other in committed_steps(self._options.workdir):
             if first < other < last:
                 try:
-                    found.append(read_manifest(self.options.workdir, other))
+                    found.append(read_manifest(self._options.workdir, other))
                 except CheckpointError:
                     continue
         return found

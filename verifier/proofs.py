@@ -34,39 +34,18 @@ from checkpointing import restore as restore_lib
 from checkpointing import verdicts
 from checkpointing.errors import (CheckpointError, FingerprintMismatchError, StorageUnavailableError,
                                   TreeMismatchError)
-from checkpointing.service import CheckpointService
-from checkpointing.workdir import committed_steps, is_committed, read_manifest
+from checkpointing.workdir import is_committed, read_manifest
 from runtime import collective
-from runtime import mesh as mesh_lib
 from verifier import faults
 from verifier import identity
-from verifier import layouts
 from verifier import program as program_lib
 from verifier import resume_proof
-from verifier import tolerances as tolerances_lib
-from verifier.budget import ProofBudget
-from verifier.chain_proof import INIT, Anchor, ChainProofs  # noqa: F401 (INIT: re-exported)
+from verifier.chain_proof import INIT, Anchor, ChainProver  # noqa: F401 (INIT: re-exported)
+from verifier.context import ProofContext, VerifierOptions  # noqa: F401 (VerifierOptions: re-exported)
 
 # A step being deleted (Orbax removes its files one by one) is still listed meanwhile: a file found
 # missing is looked at again this long before it is called evidence.
 DELETION_SECS = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifierOptions:
-    workdir: str  # the trainer's workdir (local path or gs://)
-    mesh: tuple[tuple[str, int], ...] = ()  # the verifier's own mesh; () means data=<its devices>
-    replay_steps: int = 100  # a proof replays at most this many steps (beyond: the weaker 'replayed')
-    verify_budget: float = 1.0  # the full proofs' compute as a fraction of the training's (verifier/budget.py)
-    follow: bool = False  # --follow: a save whose probe the trainer is still to record waits for it
-    poll_secs: float = 1.0  # first wait between directory polls in --follow
-    max_poll_secs: float = 30.0  # polls back off (x2 when nothing new) up to this
-    # --tolerances: a calibrate file's rtols in place of every program's own (None: the programs')
-    tolerances: tolerances_lib.Measured | None = None
-    # --measure_noise: replay across layouts again on the verifier's other layouts (verifier/evidence.py); off,
-    # a proof across layouts rests on the bounds the program declares (one replay: half the compute)
-    measure_noise: bool = True
-    reverify: tuple[int, ...] | str = ()  # --reverify: steps whose complete verdicts are redone, or "all"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,133 +59,94 @@ class HeldStep:
     input_states: list | None = None
 
 
-class StepProofs(ChainProofs):
-    """The proofs of one step: intact (restore and check), then reproduced (replay from an anchor)."""
+class StepProver:
+    """The proofs of one step: intact (restore and check), the cheap proof, the choice of the full one (its
+    ChainProver's, which this prover holds) and every verdict's shape; shared state in `context`."""
 
-    def __init__(self, options: VerifierOptions):
-        self.options = options
-        self._programs: dict[tuple, object] = {}  # (program, fixed_hash) -> the replay program
-        self._service = CheckpointService(options.workdir, read_only=True)
-        self._anchor: Anchor | None = None  # the newest step this process proved
-        self._budget = ProofBudget(options.verify_budget)
-        self._mesh = None
-        self._run: dict | None = None  # the run's identity (verifier/identity.py)
+    def __init__(self, context: ProofContext):
+        self._context = context
+        self._options = context.options
+        self._chain = ChainProver(context, self.verdict)
 
-    def mesh(self):
-        """The verifier's own mesh: --mesh over all its devices (data=<devices> by default)."""
-        if self._mesh is None:
-            self._mesh = mesh_lib.build(self.options.mesh)
-        return self._mesh
-
-    def run_manifest(self) -> dict | None:
-        """The run's identity (verifier/identity.py run_identity: its fixed config, program and init_from),
-        found once and kept: a retention that deletes steps later does not change which run the workdir holds."""
-        if self._run is None:
-            self._run = identity.run_identity(self.options.workdir, committed_steps(self.options.workdir))
-        return self._run
-
-    def _program_for(self, manifest: dict, mesh=None):
-        """The run's replay program on the verifier's mesh, or on `mesh` (one of its other layouts)."""
-        mesh = mesh or self.mesh()
-        key = (manifest.get("program"), manifest["fixed_hash"], tuple(mesh.shape.items()))
-        if key not in self._programs:
-            measured = self.options.tolerances
-            differing = measured.differences(manifest.get("config") or {}) if measured is not None else []
-            if differing and mesh is self.mesh():  # the user's choice stands; a mismatch is worth a line
-                logging.warning("--tolerances=%s was measured for another config than this run's (%s differ)",
-                                measured.path, ", ".join(differing))
-            self._programs[key] = program_lib.with_tolerances(program_lib.load(manifest, mesh), measured)
-        return self._programs[key]
-
-    def _other_programs(self, manifest: dict):
-        """The run's program on each other layout of the verifier's devices it can be built on
-        (verifier/layouts.py), lazily: a proof asks for a second, and a third only to confirm evidence."""
-        for mesh in layouts.other_meshes(self.mesh()) if self.options.measure_noise else ():
-            try:
-                yield self._program_for(manifest, mesh)
-            except program_lib.ProgramError as err:  # that layout does not suit the run (a batch it cannot split)
-                logging.vlog(1, "no replay on %s: %s", dict(mesh.shape), err)
-
-    # --- one step ------------------------------------------------------------------------------
-
-    def _intact(self, step: int) -> tuple[dict, HeldStep | None]:
+    def intact(self, step: int) -> tuple[dict, HeldStep | None]:
         """(verdict, None) when `step` is not intact (complete; an error is not), else (its intact verdict,
         what its replay needs, restored once)."""
         durations, started = {}, time.perf_counter()
         manifest = {}
         try:
-            manifest = read_manifest(self.options.workdir, step)
-            problem = identity.difference(step, manifest, self.run_manifest())
+            manifest = read_manifest(self._options.workdir, step)
+            problem = identity.difference(step, manifest, self._context.run_manifest())
             # Every process restores or none does (a collective): process 0's answer is everyone's.
             if collective.decided_by_primary(lambda: problem is not None):
-                return self._verdict(step, manifest, "intact", "fail", problem or f"step {step} is not this run's",
-                                     durations), None
-            program = self._program_for(manifest)
-            state = self._service.restore(step, program.abstract_state).state
-            inputs = program_lib.input_states(self.options.workdir, step, program)
+                return self.verdict(step, manifest, "intact", "fail", problem or f"step {step} is not this run's",
+                                    durations), None
+            program = self._context.program_for(manifest)
+            state = self._context.service.restore(step, program.abstract_state).state
+            inputs = program_lib.input_states(self._options.workdir, step, program)
         except Exception as err:  # evidence or the verifier's own fault: verifier/faults.py decides which
-            return self._not_proved(step, manifest, "intact", err, durations, evidence_possible=True), None
+            return self.not_proved(step, manifest, "intact", err, durations, evidence_possible=True), None
         durations["restore"] = time.perf_counter() - started
         problem = _intact_problem(step, state)
         if problem:
-            return self._verdict(step, manifest, "intact", "fail", problem.detail, durations,
-                                 mismatch=problem.as_dict()), None
-        intact = self._verdict(step, manifest, "intact", "pass",
-                               f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
-                               complete=False)
+            return self.verdict(step, manifest, "intact", "fail", problem.detail, durations,
+                                mismatch=problem.as_dict()), None
+        intact = self.verdict(step, manifest, "intact", "pass",
+                              f"all {len(manifest['leaves'])} leaf fingerprints equal, every value finite", durations,
+                              complete=False)
         return intact, HeldStep(state, manifest, program, durations, inputs)
 
-    def _not_proved(self, step: int, manifest: dict, level: str, err: Exception, durations: dict, *,
-                    evidence_possible: bool) -> dict:
+    def not_proved(self, step: int, manifest: dict, level: str, err: Exception, durations: dict, *,
+                   evidence_possible: bool) -> dict:
         """The verdict of a proof that raised `err`: `gone` if the step was deleted meanwhile, `fail` on evidence
         against it (only where the step's own files were being read), else `error` (verifier/faults.py),
         written incomplete so that the next verifier run retries it."""
-        if self._deleted(step, err):
-            return self._verdict(step, manifest, level, "gone", f"deleted while being verified ({_first_line(err)})",
-                                 durations)
+        if self.deleted(step, err):
+            return self.verdict(step, manifest, level, "gone", f"deleted while being verified ({_first_line(err)})",
+                                durations)
         if evidence_possible and faults.is_evidence(err):
             mismatch = _leaf_mismatch(err) if isinstance(err, (FingerprintMismatchError, TreeMismatchError)) else None
-            return self._verdict(step, manifest, level, "fail", _first_line(err) or type(err).__name__, durations,
-                                 mismatch=mismatch)
+            return self.verdict(step, manifest, level, "fail", _first_line(err) or type(err).__name__, durations,
+                                mismatch=mismatch)
         logging.warning("step %d: the verifier could not prove it: %s", step, faults.cause(err))
         logging.vlog(1, "step %d: where the proof stopped", step, exc_info=err)  # one line unless -v=1
-        return self._verdict(step, manifest, level, "error", faults.cause(err), durations, complete=False)
+        return self.verdict(step, manifest, level, "error", faults.cause(err), durations, complete=False)
 
-    def _deleted(self, step: int, err: Exception | None = None) -> bool:
+    def deleted(self, step: int, err: Exception | None = None) -> bool:
         """Whether `step` was deleted (retention) while it was proved. A step is removed file by file while it
         is still listed: a file missing from it is looked at again for up to DELETION_SECS."""
         deadline = time.monotonic() + (DELETION_SECS if err is not None and faults.is_missing_file(err) else 0)
-        while is_committed(self.options.workdir, step):
+        while is_committed(self._options.workdir, step):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
 
-    def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
+    def prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
         """The complete verdict of an intact step: the cheap proof where the trainer recorded a probe
         (verifier/resume_proof.py), then the full proof where the budget gives one (verifier/budget.py).
         None: under --follow its probe is still to come (the trainer records it k steps after the save)."""
         manifest = held.manifest
         final = manifest.get("reason") == "final"
-        probe = resume_proof.agreed_probe(self.options.workdir, step, manifest)
+        probe = resume_proof.agreed_probe(self._options.workdir, step, manifest)
         if probe is None and collective.decided_by_primary(
-                lambda: resume_proof.awaits_probe(self.options, step, final)):
+                lambda: resume_proof.awaits_probe(self._options, step, final)):
             return None
         resume = None
         if probe is not None:
             started = time.perf_counter()
             resume = resume_proof.prove(
-                self._replay, held.program, held.state, step, probe, manifest, lambda: self._other_programs(manifest),
+                self._context.replay, held.program, held.state, step, probe, manifest,
+                lambda: self._context.other_programs(manifest),
                 lambda program: program_lib.batches_at(program, held.input_states, held.input_states))
             held.durations["resume_proof"] = time.perf_counter() - started
-        distance = step - self._anchor_step(step, manifest, disk_anchor)
+        distance = step - self._chain.anchor_step(step, manifest, disk_anchor)
         logging.vlog(1, "step %d: cheap proof %s; full proof over %d steps next unless not due", step,
                      "done" if resume is not None else "not run (no probe)", distance)
         cheap_failed = resume is not None and resume.status == "fail"
-        if not self._budget.full_due(step, distance, final=final, has_probe=probe is not None,
-                                     cheap_failed=cheap_failed):
+        if not self._context.budget.full_due(step, distance, final=final, has_probe=probe is not None,
+                                             cheap_failed=cheap_failed):
             verdict = self._resume_verdict(step, held, resume,
-                                           f"; the full proof is not due ({self._budget.describe()})")
+                                           f"; the full proof is not due ({self._context.budget.describe()})")
         else:
             verdict = self._full_proof(step, held, disk_anchor)
             if cheap_failed and verdict["status"] == "pass":
@@ -222,7 +162,7 @@ class StepProofs(ChainProofs):
             elif resume is not None and resume.status == "pass":
                 verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
         if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
-            self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
+            self._chain.proved(Anchor(step, held.state, manifest["fixed_hash"], held.input_states))
             if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/content.py)
                 verdict["content_sha256"] = content.leaf_digests(held.state)
         return verdict
@@ -232,38 +172,33 @@ class StepProofs(ChainProofs):
         (--init_from) that is gone or no longer the save it recorded. Every later step is still proved (from a
         step the cheap proof passed)."""
         try:
-            anchor = self._anchor_for(step, held.manifest, held.program, disk_anchor)
+            anchor = self._chain.anchor_for(step, held.manifest, held.program, disk_anchor)
         except StorageUnavailableError:
             raise  # a fault of the verifier's own reads, not something the checkpoint could answer for
         except CheckpointError as err:
-            return self._verdict(step, held.manifest, "intact", "inconclusive",
-                                 f"the full proof cannot start from {identity.init_origin(held.manifest)}: {err}",
-                                 held.durations)
-        return self._prove_chain(step, held, anchor)
+            return self.verdict(step, held.manifest, "intact", "inconclusive",
+                                f"the full proof cannot start from {identity.init_origin(held.manifest)}: {err}",
+                                held.durations)
+        return self._chain.prove(step, held, anchor)
 
     def _resume_verdict(self, step: int, held: HeldStep, resume, why_only: str) -> dict:
         """The verdict of the cheap proof alone (a passing one anchors the next full proof)."""
         detail = resume.describe() + (why_only if resume.status == "pass" else "")
-        return self._verdict(step, held.manifest, "resumes", resume.status, detail, held.durations,
-                             mismatch=resume.mismatch and resume.mismatch.as_mismatch(),
-                             max_difference=resume.largest, replayed_from=step, replayed=resume.steps,
-                             compared=resume.compared_losses, judgement=None if resume.exact else resume.judgement)
+        return self.verdict(step, held.manifest, "resumes", resume.status, detail, held.durations,
+                            mismatch=resume.mismatch and resume.mismatch.as_mismatch(),
+                            max_difference=resume.largest, replayed_from=step, replayed=resume.steps,
+                            compared=resume.compared_losses, judgement=None if resume.exact else resume.judgement)
 
-    def _replay(self, program, state, start_step: int, count: int, batches=None):
-        return program_lib.replay_losses(program, state, start_step, count, batches)
-
-    def _verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
-                 max_difference=None, replayed_from=None, replayed=0, compared=0, judgement=None) -> dict:
+    def verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
+                max_difference=None, replayed_from=None, replayed=0, compared=0, judgement=None) -> dict:
+        """Every verdict's one shape (checkpointing/verdicts.py): the chain's are built here too."""
         return verdicts.make(step=step, level=level, status=status, complete=complete, detail=detail,
                              mismatch=mismatch, checkpoint_mesh=manifest.get("mesh", {}),
-                             verifier_mesh=self._mesh_shape(), durations_secs=durations,
+                             verifier_mesh=self._context.mesh_shape(), durations_secs=durations,
                              max_relative_difference=max_difference, replayed_from=replayed_from,
                              replayed_steps=replayed, compared_losses=compared,
                              manifest_digest=manifest.get("digest"),
                              evidence=judgement.as_record() if judgement is not None else None)
-
-    def _mesh_shape(self) -> dict:
-        return dict(self.mesh().shape)
 
 
 def _intact_problem(step: int, state) -> compare.Mismatch | None:

@@ -29,10 +29,11 @@ from checkpointing.workdir import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
 from verifier.commit_watch import CommitWatch
+from verifier.context import ProofContext
 from verifier.faults import VerdictWriteError
 from verifier.forecast import CommitForecast
 from verifier.ledger import Ledger
-from verifier.proofs import HeldStep, StepProofs, VerifierOptions
+from verifier.proofs import HeldStep, StepProver, VerifierOptions
 
 # Restored, intact steps held for their replays: with the anchor, the replay's own state and the
 # step being proved, at most HELD_STATES + 3 states are on the verifier's devices at once (+ 1 while a
@@ -48,9 +49,14 @@ class Stopped(Exception):
     """SIGTERM reached the verifier: it stops between replay chunks, writing nothing unfinished."""
 
 
-class Verifier(StepProofs):
+class Verifier:
+    """What is pending, in what order it is proved and the verdicts written (see the module docstring); each
+    step's proofs are its StepProver's, whose every replay (the chain's too) is this verifier's _replay."""
+
     def __init__(self, options: VerifierOptions, stop: threading.Event | None = None):
-        super().__init__(options)
+        self.options = options
+        self._context = ProofContext(options, self._replay)  # shared by the step's and the chain's proofs
+        self._prover = StepProver(self._context)
         self._stop = stop or threading.Event()  # set by SIGTERM (verifier/verify.py)
         self._held: dict[int, HeldStep] = {}  # intact steps (verdict written) waiting for their replay
         self._intact_between_chunks = False  # --follow: prove new commits intact during a replay
@@ -136,12 +142,16 @@ class Verifier(StepProofs):
         except (Stopped, VerdictWriteError):
             raise
         except Exception as err:  # noqa: BLE001  classified by verifier/faults.py
-            return self._not_proved(step, held.manifest, "reproduced", err, held.durations, evidence_possible=False)
-        if verdict is not None and self._deleted(step):
+            return self._prover.not_proved(step, held.manifest, "reproduced", err, held.durations,
+                                           evidence_possible=False)
+        if verdict is not None and self._prover.deleted(step):
             return {**verdict, "status": "gone", "mismatch": None,
                     "detail": f"deleted while being verified (before its {verdict['level']} verdict was written: "
                               f"{verdict['status']}, {verdict['detail']})"}
         return verdict
+
+    def _prove(self, step: int, held: HeldStep, disk_anchor: int | None) -> dict | None:
+        return self._prover.prove(step, held, disk_anchor)  # a seam: a test deletes the step before its proof
 
     def _hold_if_intact(self, step: int) -> dict | None:
         """Restores `step` (unless held) and writes its intact verdict; holds its state for the
@@ -149,7 +159,7 @@ class Verifier(StepProofs):
         if step in self._held:
             return None
         # Every process takes part: restores and replays are collective; process 0 writes.
-        verdict, restored = self._intact(step)
+        verdict, restored = self._prover.intact(step)
         if restored is None or step not in self._intact_only:  # its intact verdict is written already
             self._write(verdict)
         self._intact_only.discard(step)
@@ -201,7 +211,7 @@ class Verifier(StepProofs):
                 continue
             if step in self._planned:  # the backlog waits for its turn (one restore each)
                 continue
-            verdict, restored = self._intact(step)  # a new commit's first verdict now; its state is not kept
+            verdict, restored = self._prover.intact(step)  # a new commit's first verdict now; its state is not kept
             self._write(verdict)
             if restored is not None:
                 self._intact_only.add(step)
