@@ -88,7 +88,7 @@ class Cases:
     def __init__(self, state: dict, root: str):
         self.state, self.root, self.host = state, root, None
         self.target = abstract(state)
-        marks_lib.compile_marks(self.target)  # as the trainer does before a restore
+        marks_lib.compile_marks(self.target)  # as Checkpointer.prepare does before a restore
         sharding = mesh_sharding()
         replicated = NamedSharding(sharding.mesh, P())
         marks = jax.jit(lambda s, f: marks_lib.step_marks(s, f, jax.tree.map(lambda x: x.sharding, state)),
