@@ -60,8 +60,7 @@ def measure_child() -> dict:
     from checkpointing import marks as marks_lib
     from trainer import compile_cache
     from trainer import flags as trainer_flags
-    from trainer.config import validate
-    from trainer.program import build_mesh, build_program
+    from trainer.program import build_mesh, build_program, validate
 
     compile_cache.use(CACHE_DIR.value)
     config = validate(trainer_flags.config_from_flags(), jax.device_count(), check_workdir=False)

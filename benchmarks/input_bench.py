@@ -43,16 +43,16 @@ WARMUP_STEPS = 3
 def measure(pattern: str) -> dict:
     import jax
     from trainer import input as data_input
-    from trainer.config import TrainConfig, validate
-    from trainer.program import build_program, build_mesh
+    from trainer import model_config
+    from trainer.program import build_program, build_mesh, validate
 
-    config = validate(TrainConfig.from_flat({
+    config = validate(model_config.from_flat({
         "workdir": tempfile.gettempdir(), "model": "transformer", "mesh": (("data", 8),), "batch_size": _BATCH.value,
         "seq_len": _SEQ_LEN.value, "vocab_size": 257, "hidden_dim": _HIDDEN.value, "num_heads": 4}),
         jax.device_count(), check_workdir=False)
     program = build_program(config, build_mesh(config))  # --data=synthetic, the default
     # The trainer's own choice of batch function for --data=records:<glob> (trainer/program.py).
-    records = build_program(config.replace(data=f"records:{pattern}"), program.mesh).batch_fn
+    records = build_program(model_config.replace(config, data=f"records:{pattern}"), program.mesh).batch_fn
     assert isinstance(records, data_input.RecordBatches)
     dataset = records.dataset
     synthetic = lambda step: program.batch_fn(jax.numpy.asarray(step, jax.numpy.int32))  # noqa: E731

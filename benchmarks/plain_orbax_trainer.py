@@ -27,8 +27,7 @@ from checkpointing import workdir as workdir_lib  # noqa: E402
 from runtime import exit_codes  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
-from trainer.config import validate  # noqa: E402
-from trainer.program import build_mesh, build_program  # noqa: E402
+from trainer.program import build_mesh, build_program, validate  # noqa: E402
 from trainer import compile_cache  # noqa: E402
 from trainer.train import process_start_time  # noqa: E402
 

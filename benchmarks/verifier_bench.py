@@ -188,10 +188,10 @@ def restore_child(workdir: str) -> None:
     import dataclasses, gc, jax  # noqa: E401 (only this child imports jax)
     from checkpointing.service import CheckpointService
     from checkpointing.workdir import committed_steps, read_manifest
-    from trainer.config import TrainConfig, validate
-    from trainer.program import build_mesh, build_program
+    from trainer import model_config
+    from trainer.program import build_mesh, build_program, validate
     steps = committed_steps(workdir)
-    config = TrainConfig.from_json(read_manifest(workdir, steps[0])["config"])
+    config = model_config.from_json(read_manifest(workdir, steps[0])["config"])
     config = validate(dataclasses.replace(config, workdir=workdir, mesh=verifier_mesh()), jax.device_count())
     program = build_program(config, build_mesh(config))
     service, times = CheckpointService(workdir, read_only=True), []

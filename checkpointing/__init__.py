@@ -16,7 +16,7 @@ _PUBLIC = {
     "CheckpointConfig": "config", "ConfigError": "config", "AUTO": "config", "option": "config",
     "check_fields": "config", "format_mesh": "config", "resolve_path": "config", "parse_save_every_secs": "config",
     # what a workdir holds, read only
-    "committed_steps": "workdir", "read_manifest": "workdir", "metrics_file": "workdir",
+    "Workdir": "workdir", "committed_steps": "workdir", "read_manifest": "workdir", "metrics_file": "workdir",
     "tensorboard_dir": "workdir", "expand_local_dir": "workdir", "check_workdir": "storage",
     "read_input_states": "input_state", "newest_proved_step": "verdicts", "recorded_losses": "report",
     "table_rows": "report",

@@ -21,13 +21,10 @@ from typing import Callable, Iterable
 
 from absl import logging
 
-from checkpointing import input_state
+from checkpointing import input_state, probes, run_record, verdicts
 from checkpointing import lease as lease_lib
 from checkpointing import marking
-from checkpointing import probes
 from checkpointing import restore as restore_lib
-from checkpointing import run_record
-from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from checkpointing.config import AUTO, CheckpointConfig, resolve_path
 from checkpointing.errors import (CheckpointError, LeaseLostError, WorkdirLeasedError)
@@ -69,7 +66,9 @@ class Checkpointer:
                 raise ValueError(f"--local_dir={self.options.local_dir}: a data_iterator is saved on the "
                                  "persistent tier only; use one or the other")
         self._data_iterator = data_iterator
-        self.workdir = resolve_path(str(workdir), "workdir")
+        path = resolve_path(str(workdir), "workdir")  # one Workdir per open: each manifest read once
+        self.workdir = workdir if isinstance(workdir, workdir_lib.Workdir) and workdir == path else \
+            workdir_lib.Workdir(path)
         self.total_steps = total_steps
         self.mesh = mesh
         run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program, total_steps=total_steps)
@@ -174,6 +173,7 @@ class Checkpointer:
         probe's summaries due there, will read, so the save dispatches no pass of its own."""
         if self._saver is None:
             raise RuntimeError("Checkpointer.on_step before restore_or_init")
+        self.workdir.live()  # the start-up is over: listings and manifests are read afresh from now on
         return self._saver.on_step(step, state, loss, metrics)
 
     # --- closing -------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class CheckpointService:
                  data_iterator=None):
         if tier not in (manifest_lib.PERSISTENT, manifest_lib.LOCAL):
             raise ValueError(f"tier must be {manifest_lib.PERSISTENT!r} or {manifest_lib.LOCAL!r}, got {tier!r}")
-        self.directory = str(directory)
+        self.directory = directory if isinstance(directory, workdir_lib.Workdir) else str(directory)  # read once
         self.tier = tier  # local: this process's own directory, written by every process (local_tier.py)
         local = tier == manifest_lib.LOCAL
         self.config = config  # retention and async_save are read here; the cadence is the caller's policy
@@ -237,6 +237,8 @@ class CheckpointService:
             workdir_lib.move_aside(self.directory, steps, only_present=self.tier == manifest_lib.LOCAL)
         if steps:
             collective.barrier("checkpoint_service_set_aside")
+            if isinstance(self.directory, workdir_lib.Workdir):  # every process: process 0 moved them
+                self.directory.changed()
             self._manager.reload()
 
     # --- restoring -----------------------------------------------------------------------------

@@ -127,8 +127,56 @@ def expand_local_dir(template: str, process_index: int) -> str:
 
 # --- what a workdir holds -------------------------------------------------------------------------
 
+class Workdir(str):
+    """A run's workdir opened once (its path, so it goes wherever a path does): the committed steps listed
+    once and each manifest read once, however many readers of a start-up ask (the restore's candidates, the
+    run's identity, `init_from`, the trainer's data and code checks, its status line; each a round trip on
+    gs://). Read only: what the opener itself changes (steps set aside) it says with `changed()`, and once
+    the start-up is over `live()` makes every later answer a fresh read (background commits, retention)."""
+
+    def __new__(cls, path: str):
+        opened = super().__new__(cls, path)
+        opened._steps, opened._manifests, opened._live = None, {}, False
+        return opened
+
+    def committed_steps(self) -> list[int]:
+        """Finalized steps, ascending (in-flight and killed saves are not listed)."""
+        if self._live or self._steps is None:
+            steps = _list_committed(self)
+            if self._live:
+                return steps
+            self._steps = steps
+        return list(self._steps)
+
+    def read_manifest(self, step: int) -> dict:
+        """The schema-checked manifest of a committed `step` (shared: read it, do not change it)."""
+        if self._live or step not in self._manifests:
+            manifest = _read_manifest(self, step)
+            if self._live:
+                return manifest
+            self._manifests[step] = manifest
+        return self._manifests[step]
+
+    def changed(self) -> None:
+        """The opener moved or removed steps: list again, and read again what is listed then."""
+        self._steps, self._manifests = None, {}
+
+    def live(self) -> None:
+        """The start-up is over (the first step is done): from now on every answer is read afresh."""
+        if not self._live:
+            self._live = True
+            self.changed()
+
+
 def committed_steps(directory: str) -> list[int]:
-    """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed."""
+    """Finalized steps in `directory`, ascending; in-flight and killed saves are not listed (a Workdir's
+    answer, read once per start-up, when `directory` is one)."""
+    if isinstance(directory, Workdir):
+        return directory.committed_steps()
+    return _list_committed(directory)
+
+
+def _list_committed(directory: str) -> list[int]:
     fresh_path(directory)
     path = checkpoints_dir(directory)
     if not path.exists():
@@ -183,6 +231,8 @@ def move_aside(directory: str, steps: list[int], *, only_present: bool = False) 
         verdict = verdict_file(directory, step)
         if verdict.exists():
             verdict.rename(superseded / f"{step}-{stamp}.verdict.json")
+    if isinstance(directory, Workdir):
+        directory.changed()
     if durable.is_local(superseded):
         for moved_from_and_to in (checkpoints_dir(directory), verdicts_dir(directory), superseded):
             if moved_from_and_to.exists():
@@ -214,9 +264,15 @@ def is_committed(directory: str, step: int) -> bool:
 
 
 def read_manifest(directory: str, step: int) -> dict:
-    """The schema-checked manifest of `step` (the caller knows the step is committed). A manifest that
-    records another step than its directory's name (a step copied in under another number) is corrupt:
-    this is the one place that knows both."""
+    """The schema-checked manifest of `step` (the caller knows the step is committed; read once per start-up
+    when `directory` is a Workdir). A manifest that records another step than its directory's name (a step
+    copied in under another number) is corrupt: this is the one place that knows both."""
+    if isinstance(directory, Workdir):
+        return directory.read_manifest(step)
+    return _read_manifest(directory, step)
+
+
+def _read_manifest(directory: str, step: int) -> dict:
     path = manifest_file(directory, step)
     try:
         text = reads.read_retrying(path.read_text, f"step {step}: reading its manifest {path}")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.tamper import KERNEL, zero_adam_moments
-from trainer import loop
+from trainer import loop, model_config
 from trainer.config import TrainConfig
 from trainer.program import build_mesh, build_program
 
@@ -86,7 +86,8 @@ def train(config: TrainConfig, fault: Fault = Fault()) -> None:
         if start.step:
             state = on_resume(fault, state)
             if fault.kind == "other_learning_rate":
-                stepping = build_program(config.replace(learning_rate=config.learning_rate * fault.size), mesh)
+                other = model_config.replace(config, learning_rate=config.learning_rate * fault.size)
+                stepping = build_program(other, mesh)
         for step in range(start.step, config.steps):
             # Another program's state carries its own optimizer as static tree data: same leaves, its tree.
             stepped, loss = stepping.step_fn(tree_like(state, stepping.abstract_state),

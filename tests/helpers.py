@@ -15,7 +15,9 @@ import jax
 import numpy as np
 
 from launch import pod as pod_lib
-from trainer.config import TrainConfig, validate
+from trainer import model_config
+from trainer.config import TrainConfig
+from trainer.program import validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +41,7 @@ def small_config(workdir: str, model: str = "mlp", mesh: str = "data=4,model=2",
     """A config small enough for a unit test; transformer sizes shrunk to keep CPU time low."""
     sizes = {"seq_len": 16, "hidden_dim": 32} if model == "transformer" else {}
     sizes.update(overrides)
-    config = TrainConfig.from_flat({"workdir": workdir, "model": model, "mesh": MESHES[mesh], "batch_size": 32,
+    config = model_config.from_flat({"workdir": workdir, "model": model, "mesh": MESHES[mesh], "batch_size": 32,
                                     "log_every_steps": 5, **sizes})
     return validate(config, jax.device_count())
 
@@ -271,7 +273,7 @@ def open_service(config: TrainConfig, program):
     step directly (the trainer itself opens it through checkpointing.Checkpointer)."""
     from checkpointing.service import CheckpointService, RunMetadata
 
-    run = RunMetadata.of_run(config.to_json(), config.fixed_names(), dict(program.mesh.shape),
+    run = RunMetadata.of_run(config.to_json(), model_config.fixed_names(config), dict(program.mesh.shape),
                              program="trainer.program:replay_program")
     return CheckpointService(config.workdir, config.checkpoint, run=run)
 

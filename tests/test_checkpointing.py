@@ -79,11 +79,11 @@ def test_restore_in_a_one_device_process(trained):
         import dataclasses, json
         from tests import helpers
         from verifier.program import replay_losses
-        from trainer.config import TrainConfig, validate
-        from trainer.program import build_mesh, build_program
+        from trainer import model_config
+        from trainer.program import build_mesh, build_program, validate
         import jax
         fields = json.loads({json.dumps(config.to_json())!r})
-        config = validate(dataclasses.replace(TrainConfig.from_json(fields), mesh=()), 1)
+        config = validate(dataclasses.replace(model_config.from_json(fields), mesh=()), 1)
         program = build_program(config, build_mesh(config))
         restored = helpers.open_service(config, program).restore(10, program.abstract_state)
         _, losses = replay_losses(program, restored.state, 10, 10)

@@ -12,7 +12,9 @@ from checkpointing.config import AUTO, CheckpointConfig, ConfigError
 from runtime import entry, exit_codes
 from tests import helpers
 from trainer import flags as trainer_flags
-from trainer.config import TrainConfig, parse_mesh, validate
+from trainer import model_config
+from trainer.config import TrainConfig, parse_mesh
+from trainer.program import validate
 
 FLAGS = flags.FLAGS
 
@@ -94,13 +96,13 @@ def test_manifests_keep_one_flat_config_and_read_back():
     config = TrainConfig(workdir="/w", mesh=(("data", 4),), checkpoint=CheckpointConfig(max_to_keep=9))
     recorded = config.to_json()
     assert recorded["max_to_keep"] == 9 and "checkpoint" not in recorded, "the manifest's config stays flat"
-    assert TrainConfig.from_json(recorded) == config
+    assert model_config.from_json(recorded) == config
     with pytest.raises(ConfigError, match="unknown config field.*colour"):
-        TrainConfig.from_json({**recorded, "colour": "blue"})
+        model_config.from_json({**recorded, "colour": "blue"})
 
 
 def test_replace_names_checkpoint_fields_directly():
-    config = TrainConfig(workdir="/w").replace(steps=7, lease_secs=5.0)
+    config = model_config.replace(TrainConfig(workdir="/w"), steps=7, lease_secs=5.0)
     assert config.steps == 7 and config.checkpoint.lease_secs == 5.0
 
 

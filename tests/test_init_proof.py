@@ -27,6 +27,7 @@ from checkpointing import verdicts
 from checkpointing import workdir as workdir_lib
 from tests import helpers
 from tests.tamper import RUN_10, WIDE, rewrite_step
+from trainer import model_config
 from trainer.program import build_mesh, build_program
 from verifier import drift
 from verifier import evidence
@@ -124,7 +125,7 @@ def test_every_leaf_and_loss_of_the_first_interval_against_the_noise_measured_fo
     workdir = trained_runs(**WIDE)
     config = helpers.small_config(workdir, **WIDE)
     manifest = workdir_lib.read_manifest(workdir, 12)
-    mesh = build_mesh(config.replace(mesh=helpers.MESHES["data=2,model=4"]))
+    mesh = build_mesh(model_config.replace(config, mesh=helpers.MESHES["data=2,model=4"]))
     program = program_lib.load(manifest, mesh)
     other = program_lib.load(manifest, layouts.other_meshes(mesh)[0])
     saved = helpers.open_service(config, program).restore(12, program.abstract_state).state

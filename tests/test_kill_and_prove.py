@@ -18,8 +18,8 @@ import pytest
 from checkpointing.report import recorded_losses
 from checkpointing.workdir import committed_steps
 from tests import helpers
-from trainer.config import TrainConfig, validate
-from trainer.program import build_mesh, build_program
+from trainer.config import TrainConfig
+from trainer.program import build_mesh, build_program, validate
 
 STEPS = 40
 TRAIN_FLAGS = ["--mesh=data=4,model=2", f"--steps={STEPS}", "--save_every_steps=5", "--max_to_keep=100",

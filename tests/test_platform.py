@@ -23,9 +23,9 @@ from checkpointing.workdir import committed_steps, read_manifest
 from runtime import entry, exit_codes
 from tests import helpers
 from trainer import flags as trainer_flags
-from trainer import loop
-from trainer.config import FIXED_FIELDS, validate
-from trainer.program import build_mesh, build_program, replay_program
+from trainer import loop, model_config
+from trainer.config import FIXED_FIELDS
+from trainer.program import build_mesh, build_program, replay_program, validate
 
 HIGHEST_DOT = "precision = [HIGHEST, HIGHEST]"
 
@@ -97,13 +97,15 @@ def test_a_precision_jax_does_not_name_is_refused_with_one_line(capsys):
 
 def test_the_precision_is_fixed_once_set_and_a_default_run_hashes_as_before(tmp_path):
     default = helpers.small_config(str(tmp_path))
-    highest = default.replace(matmul_precision="highest")
+    highest = model_config.replace(default, matmul_precision="highest")
     # A run saved before the flag existed recorded the hash of FIXED_FIELDS alone: at the default, the same.
     before_the_flag = RunMetadata.of_run(default.to_json(), FIXED_FIELDS, {"data": 8})
-    assert "matmul_precision" not in default.fixed_fields() and default.fixed_hash() == before_the_flag.fixed_hash
-    assert highest.fixed_fields()["matmul_precision"] == "highest" and highest.fixed_hash() != default.fixed_hash()
-    saved = {"fixed_hash": highest.fixed_hash(), "fixed_fields": highest.fixed_fields()}
-    resumed = RunMetadata.of_run(default.to_json(), default.fixed_names(), {"data": 8})
+    assert "matmul_precision" not in model_config.fixed_fields(default)
+    assert model_config.fixed_hash(default) == before_the_flag.fixed_hash
+    assert model_config.fixed_fields(highest)["matmul_precision"] == "highest"
+    assert model_config.fixed_hash(highest) != model_config.fixed_hash(default)
+    saved = {"fixed_hash": model_config.fixed_hash(highest), "fixed_fields": model_config.fixed_fields(highest)}
+    resumed = RunMetadata.of_run(default.to_json(), model_config.fixed_names(default), {"data": 8})
     with pytest.raises(ConfigMismatchError, match="matmul_precision: checkpoint 'highest' vs this run None"):
         check_config_matches(20, saved, resumed)
 
@@ -115,7 +117,7 @@ def lowered_step(program) -> str:
 def test_the_step_is_traced_at_the_configs_precision_whatever_the_callers(tmp_path):
     default = helpers.small_config(str(tmp_path))
     mesh = build_mesh(default)
-    highest = lowered_step(build_program(default.replace(matmul_precision="highest"), mesh))
+    highest = lowered_step(build_program(model_config.replace(default, matmul_precision="highest"), mesh))
     dots = highest.count("stablehlo.dot_general")
     assert dots and highest.count(HIGHEST_DOT) == dots, "every dot of the step carries the run's precision"
     with jax.default_matmul_precision("highest"):  # the verifier's own setting must not leak into a replay
@@ -162,7 +164,7 @@ def test_a_run_saved_before_the_record_validates_restores_and_resumes_bit_exact(
         assert "platform" not in old and "matmul_precision" not in old["fixed_fields"]
         old_hashes[step] = old["fixed_hash"]
     assert [row["platform"] for row in report.table_rows(workdir)] == ["-", "-"]
-    result = loop.train(config.replace(steps=30))  # restores step 20 from a manifest without a record
+    result = loop.train(model_config.replace(config, steps=30))  # restores step 20 from a manifest without a record
     assert sorted(result.losses) == list(range(20, 30))
     uninterrupted = loop.read_metrics(trained_runs(**{**run, "steps": 30}))
     assert result.losses == {s: uninterrupted[s] for s in range(20, 30)}, "same layout: bit-exact"

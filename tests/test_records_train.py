@@ -13,8 +13,8 @@ from array_record.python import array_record_module
 from checkpointing import committed_steps, read_manifest, verdicts
 from tests import helpers
 from tests.records_train import eval_losses, lm_flags
-from trainer import loop, train
-from trainer.config import TrainConfig, validate
+from trainer import loop, model_config, train
+from trainer.program import validate
 from verifier.verifier import Verifier, VerifierOptions
 
 MESH = "--mesh=data=4,model=2"
@@ -59,7 +59,7 @@ def test_records_the_model_cannot_read_are_refused_by_flag(tmp_path, stdlib_corp
 def train_records(workdir: str, corpus: str, steps: int) -> loop.TrainResult:
     flags = dict(flag[2:].split("=", 1) for flag in lm_flags(corpus))
     numbers = {k: int(v) for k, v in flags.items() if k not in ("model", "data", "eval_data")}
-    config = TrainConfig.from_flat({**flags, **numbers, "workdir": workdir, "mesh": helpers.MESHES["data=4,model=2"],
+    config = model_config.from_flat({**flags, **numbers, "workdir": workdir, "mesh": helpers.MESHES["data=4,model=2"],
                                     "steps": steps, "save_every_steps": 8, "max_to_keep": 100, "log_every_steps": 4})
     return loop.train(validate(config, 8))
 

@@ -13,6 +13,7 @@ from checkpointing import verdicts
 from checkpointing.workdir import read_manifest
 from tests import helpers
 from tests.tamper import RUN, WIDE, rewrite_step, zero_adam_moments
+from trainer import model_config
 from trainer.program import build_mesh
 from verifier import program as program_lib
 from verifier import layouts
@@ -29,7 +30,7 @@ def _verify(workdir, mesh, budget):
 
 def _restored(config, step, mesh_name):
     """(program on `mesh_name`, the restored state of `step`, its manifest)."""
-    mesh = build_mesh(config.replace(mesh=helpers.MESHES[mesh_name]))
+    mesh = build_mesh(model_config.replace(config, mesh=helpers.MESHES[mesh_name]))
     program = program_lib.load(read_manifest(config.workdir, step), mesh)
     restored = helpers.open_service(config, program).restore(step, program.abstract_state)
     return program, restored.state, restored.manifest

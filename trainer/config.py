@@ -1,21 +1,23 @@
 """The run's configuration: one frozen object built once from flags.
 
 Every field carries its flag help and bounds as metadata (`checkpointing.config.option`):
-trainer/flags.py generates the flags from it and `validate` checks it, so each is written once.
-The checkpoint fields are checkpointing's own `CheckpointConfig`, composed as `config.checkpoint`;
-flags, manifests and `from_flat` see one flat namespace (`--save_every_steps`, not a nested name).
-`FIXED_FIELDS` are the fields a resume must not change (they decide the state's shapes or the
-numbers the run computes); the manifest stores a hash of them and a resume that changes one is refused.
+trainer/flags.py generates the flags from it and `trainer.program.validate` checks it, so each is
+written once. The checkpoint fields are checkpointing's own `CheckpointConfig`, composed as
+`config.checkpoint`; flags, manifests and `trainer.model_config.from_flat` see one flat namespace
+(`--save_every_steps`, not a nested name). `FIXED_FIELDS` are the fields a resume must not change (they
+decide the state's shapes or the numbers the run computes); the manifest stores a hash of them and a
+resume that changes one is refused.
+
+A leaf: it knows the fields and their parsing only. What needs the model registry (a spec's own
+fields, its checks) is above it, in trainer/model_config.py and trainer/program.py, since the
+registry itself needs TrainConfig. It imports no JAX (the trainer holds SIGTERM before JAX loads).
 """
 
 import dataclasses
-import hashlib
-import json
 import os
 import tempfile
 
-from checkpointing import (CheckpointConfig, ConfigError, check_fields, expand_local_dir, option,
-                           resolve_path)
+from checkpointing import CheckpointConfig, ConfigError, option
 from runtime import mesh as mesh_lib
 
 MESH_AXES = mesh_lib.AXES
@@ -84,22 +86,6 @@ class TrainConfig:
         """Axis sizes by name, every axis of MESH_AXES present (a missing axis is 1)."""
         return mesh_lib.sizes(self.mesh)
 
-    def fixed_names(self) -> tuple[str, ...]:
-        """FIXED_FIELDS and the model spec's fixed fields: the names the Checkpointer hashes."""
-        from trainer import models  # the model registry imports this module for TrainConfig
-
-        set_fields = tuple(name for name in FIXED_WHEN_SET if getattr(self, name) != _default(name))
-        return FIXED_FIELDS + set_fields + tuple(f.name for f in models.resolve(self.model).fields if f.fixed)
-
-    def fixed_fields(self) -> dict:
-        flat = self.to_json()
-        return {name: flat[name] for name in self.fixed_names()}
-
-    def fixed_hash(self) -> str:
-        """A stable hash of the fields a resume must not change."""
-        blob = json.dumps(self.fixed_fields(), sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
     def to_json(self) -> dict:
         """Flat, as every manifest has recorded it: the checkpoint fields beside the others."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -107,38 +93,9 @@ class TrainConfig:
         fields["mesh"] = dict(self.mesh)
         return {**fields, **dict(self.model_fields), **dataclasses.asdict(self.checkpoint)}
 
-    @classmethod
-    def from_flat(cls, fields: dict) -> "TrainConfig":
-        """A config from one flat namespace of field names (flags, a manifest); unknown names are an error.
-
-        The model spec's own fields (named flat, like any other) are collected into `model_fields`, each
-        missing one at its default; CODE_FIELD (what computed a manifest) is identity, not config."""
-        from trainer import models  # the model registry imports this module for TrainConfig
-
-        own = {f.name for f in dataclasses.fields(cls)} - {"checkpoint", "model_fields"}
-        theirs = {f.name for f in dataclasses.fields(CheckpointConfig)}
-        spec_fields = models.resolve(fields.get("model", "mlp")).fields
-        names = {f.name for f in spec_fields}
-        unknown = sorted(set(fields) - own - theirs - names - {CODE_FIELD, "model_fields"})
-        if unknown:
-            raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
-        given = dict(fields.get("model_fields", ()))
-        model_fields = tuple((f.name, fields.get(f.name, given.get(f.name, f.default))) for f in spec_fields)
-        checkpoint = CheckpointConfig(**{k: v for k, v in fields.items() if k in theirs})
-        return cls(**{k: v for k, v in fields.items() if k in own}, model_fields=model_fields, checkpoint=checkpoint)
-
     def model_field(self, name: str):
         """The value of the model spec's own field `name` (trainer.models.ModelField)."""
         return dict(self.model_fields)[name]
-
-    @classmethod
-    def from_json(cls, fields: dict) -> "TrainConfig":
-        """The inverse of to_json (e.g. the config a manifest recorded)."""
-        return cls.from_flat({**fields, "mesh": tuple(dict(fields.get("mesh", {})).items())})
-
-    def replace(self, **changes) -> "TrainConfig":
-        """dataclasses.replace over the flat namespace: checkpoint fields may be named directly."""
-        return TrainConfig.from_flat({**self.to_json(), "mesh": self.mesh, **changes})
 
 
 # Fields that shape the state or the computed numbers; the mesh, step count, cadences and
@@ -163,52 +120,12 @@ MATMUL_PRECISIONS = {"default": "default", "high": "high", "highest": "highest",
                      "bfloat16": "default", "tensorfloat32": "high", "float32": "highest"}
 
 
-def _default(name: str):
-    return TrainConfig.__dataclass_fields__[name].default
-
-
 def parse_mesh(text: str) -> tuple[tuple[str, int], ...]:
     """Parses 'data=4,model=2' into (('data', 4), ('model', 2)); '' means 'all devices on data' (runtime/mesh.py)."""
     try:
         return mesh_lib.parse(text)
     except mesh_lib.MeshError as err:
         raise ConfigError(str(err)) from None
-
-
-def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:
-    """Checks the config against itself, its model and the visible devices; returns it with the mesh
-    filled in and --save_every_secs parsed.
-
-    A reader of someone else's workdir (the verifier) passes check_workdir=False: it must not probe it.
-    """
-    from trainer import models  # the model registry imports this module for TrainConfig
-
-    check_fields(config)
-    config = dataclasses.replace(config, checkpoint=config.checkpoint.validated())
-    spec = models.resolve(config.model)
-    config = check_training_fields(config, spec)
-    spec.check_config(config)
-    if config.eval_every_steps and not config.eval_data:  # refused before anything is written, as every check
-        raise ConfigError(f"--eval_every_steps={config.eval_every_steps} needs --eval_data=records:<glob>")
-    if config.eval_every_steps and spec.takes_model_state:
-        raise ConfigError(f"--eval_every_steps={config.eval_every_steps}: the model's loss carries model state "
-                          "(BatchNorm, dropout); evaluation supports losses of (params, batch) only")
-    if not config.mesh:
-        config = dataclasses.replace(config, mesh=(("data", device_count),))
-    check_mesh(config.mesh, device_count)
-    sizes = config.mesh_shape()
-    if config.batch_size % sizes["data"]:
-        raise ConfigError(
-            f"--batch_size={config.batch_size} is not divisible by the data axis ({sizes['data']})"
-        )
-    if check_workdir:
-        config = dataclasses.replace(config, workdir=resolve_path(config.workdir, "--workdir"))
-        validate_workdir(config.workdir)
-    expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
-    from trainer import program  # builds on this module
-
-    program.check_model(config, spec)  # abstractly: collections, loss, optimizer, nnx
-    return config
 
 
 def check_training_fields(config: TrainConfig, spec) -> TrainConfig:

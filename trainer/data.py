@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from trainer.config import TrainConfig
+from trainer.config import ConfigError, TrainConfig
 from trainer.models import ModelSpec
 
 
@@ -128,12 +128,10 @@ class Inputs:
 def open_inputs(spec: ModelSpec, config: TrainConfig, mesh: Mesh) -> Inputs:
     """Opens the record files the config names; a DataError (one line, exit 2) names a bad flag or file."""
     if config.check_data not in CHECK_DATA:
-        from trainer.config import ConfigError
-
         raise ConfigError(f"--check_data={config.check_data}: expected {' or '.join(CHECK_DATA)}")
     if config.data == SYNTHETIC and not (config.eval_data or config.eval_every_steps):
         return Inputs()  # nothing to open, nor to import: Grain's import costs a restart 0.1-0.2 s
-    from trainer import input as data_input
+    from trainer import input as data_input  # here, not above: it imports Grain (see the return above)
 
     if config.data != SYNTHETIC and not config.data.startswith(data_input.records.PREFIX):
         raise data_input.DataError(f"--data={config.data}: expected synthetic or records:<glob>")
@@ -155,7 +153,7 @@ def open_inputs(spec: ModelSpec, config: TrainConfig, mesh: Mesh) -> Inputs:
 
 def _check_model_reads(spec: ModelSpec, config: TrainConfig, batches, value: str) -> None:
     """The model decides how a batch is used: its own batches must have the records' structure."""
-    from trainer.input import DataError
+    from trainer.input import DataError  # Grain's import: only where record files are opened
 
     own = jax.eval_shape(lambda: spec.synthetic_batch(config, jax.random.key(0)))
     want = {"tokens": jax.ShapeDtypeStruct(batches.global_shape, jnp.int32)}
@@ -189,7 +187,7 @@ def check_resumed(recorded: dict, inputs: Inputs, config: TrainConfig, step: int
     _check_kind(f"data ({where})", recorded.get(IDENTITY_KEY), inputs.identity(IDENTITY_KEY), absent=SYNTHETIC)
     _check_kind(f"--eval_data ({where})", recorded.get(EVAL_IDENTITY_KEY), inputs.identity(EVAL_IDENTITY_KEY),
                 absent="none")
-    from trainer.input import DatasetChangedError, has_content
+    from trainer.input import DatasetChangedError, has_content  # Grain's import: only on a resume
 
     if recorded.get(EVAL_IDENTITY_KEY) is not None and recorded.get("eval_batches") != config.eval_batches:
         raise DatasetChangedError(f"--eval_batches ({where})", recorded.get("eval_batches"), config.eval_batches)
@@ -216,13 +214,13 @@ def check_resumed(recorded: dict, inputs: Inputs, config: TrainConfig, step: int
 
 def _check_kind(field: str, before: dict | None, now: dict | None, *, absent: str) -> None:
     if (before is None) != (now is None):
-        from trainer.input import DatasetChangedError
+        from trainer.input import DatasetChangedError  # Grain's import: only when refusing
 
         raise DatasetChangedError(field, "records" if before else absent, "records" if now else absent)
 
 
 def _check_split(before: dict, now: dict, label: str) -> None:
-    from trainer.input import DatasetChangedError, check_same
+    from trainer.input import DatasetChangedError, check_same  # Grain's import: only on record files
 
     try:
         check_same(before, now)

@@ -15,6 +15,7 @@ import sys
 from absl import flags
 
 from checkpointing import CheckpointConfig, parse_save_every_secs
+from trainer import model_config, models
 from trainer.config import ConfigError, TrainConfig, parse_mesh
 
 COMPILATION_CACHE_DIR = flags.DEFINE_string(
@@ -60,8 +61,6 @@ def model_from_argv(argv: list[str]) -> str:
 
 def define_model_flags(argv: list[str]) -> None:
     """Defines --<name> for each field of the spec the command line's --model names (once per name)."""
-    from trainer import models
-
     try:
         spec = models.resolve(model_from_argv(argv))
     except ConfigError:  # validate refuses it with its one line
@@ -80,11 +79,9 @@ def config_from_flags() -> TrainConfig:
     """The TrainConfig the parsed flags describe (not yet checked against itself or the devices)."""
     if not _FLAGS["workdir"].value:
         raise ConfigError("--workdir is required")
-    from trainer import models
-
     values = {name: flag.value for name, flag in _FLAGS.items()}
     spec_names = {field.name for field in models.resolve(values["model"]).fields}
     values.update({name: flag.value for name, flag in _MODEL_FLAGS.items() if name in spec_names})
     values["mesh"] = parse_mesh(values["mesh"])
     values["save_every_secs"] = parse_save_every_secs(values["save_every_secs"])
-    return TrainConfig.from_flat(values)
+    return model_config.from_flat(values)

@@ -8,12 +8,11 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import (Checkpointer, Preempted, committed_steps, format_mesh, layout_of,
-                           read_manifest)
+from checkpointing import Checkpointer, Preempted, Workdir, format_mesh, layout_of
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
-from trainer import compile_cache, data, metrics, models
+from trainer import compile_cache, data, metrics, model_config, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
@@ -125,41 +124,43 @@ def compile_program(program: Program, *, fresh: bool, prepare=None) -> None:
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,
-                      inputs: data.Inputs | None = None) -> Checkpointer:
+                      inputs: data.Inputs | None = None, workdir: Workdir | None = None) -> Checkpointer:
     """This run's Checkpointer: its identity is the config (its fixed names may not change on a resume)
     with, on record files, the dataset's identity (its digest may not change either), and the code that
     computes it (config["code"], trainer/code.py); the verifier replays it with
-    trainer.program:replay_program. Without `watchdog` it owns one of --watchdog_secs, stopped at close."""
+    trainer.program:replay_program. Without `watchdog` it owns one of --watchdog_secs, stopped at close.
+    `workdir`: the start-up's one open of --workdir, if the caller read it already."""
+    workdir = workdir if workdir is not None else Workdir(config.workdir)
     recorded = inputs.recorded() if inputs is not None else {}
-    fixed = tuple(config.fixed_names()) + (inputs.fixed_names() if inputs is not None else ())
-    identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config)}
-    return Checkpointer(config.workdir, config.checkpoint, config=identity, fixed=fixed,
+    fixed = tuple(model_config.fixed_names(config)) + (inputs.fixed_names() if inputs is not None else ())
+    identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config, workdir)}
+    return Checkpointer(workdir, config.checkpoint, config=identity, fixed=fixed,
                         mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog,
                         watchdog_secs=config.watchdog_secs)
 
 
-def check_resumed_data(config: TrainConfig, inputs: data.Inputs) -> None:
+def check_resumed_data(config: TrainConfig, inputs: data.Inputs, workdir: Workdir) -> None:
     """A resume reads the files its checkpoints were trained and evaluated on: DatasetChangedError (exit 2,
     one line, nothing written) names the first field or file that differs from the newest readable manifest's
     (their content included), unless --accept_data_change accepts it (data.check_resumed)."""
     if config.checkpoint.resume_from == "none":
         return
-    for step in reversed(committed_steps(config.workdir)):
+    for step in reversed(workdir.committed_steps()):
         try:
-            manifest = read_manifest(config.workdir, step)
+            manifest = workdir.read_manifest(step)
         except Exception:  # an unreadable manifest is the restore's to handle (it falls back past it)
             continue
         data.check_resumed(manifest.get("config", {}), inputs, config, step)
         return
 
 
-def resumed_code(config: TrainConfig) -> dict:
+def resumed_code(config: TrainConfig, workdir: Workdir) -> dict:
     """This process's code identity, checked against the newest committed manifest's (one warning line
     naming what changed, logged once the run is admitted; a ConfigError under --refuse_code_change)."""
     current = code_lib.identity(config)
     try:
-        steps = committed_steps(config.workdir)
-        previous = read_manifest(config.workdir, steps[-1])["config"] if steps else None
+        steps = workdir.committed_steps()
+        previous = workdir.read_manifest(steps[-1])["config"] if steps else None
     except Exception:  # noqa: BLE001  an unreadable workdir is the Checkpointer's to report, with its own line
         return current
     return code_lib.check_resume(config, previous, current)
@@ -201,10 +202,11 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
     inputs = data.open_inputs(models.resolve(config.model), config, mesh)
     watchdog = None
     try:
-        if os.path.isdir(config.workdir) or config.workdir.startswith("gs://"):
-            check_resumed_data(config, inputs)
+        workdir = Workdir(config.workdir)  # one open for the whole start-up: each manifest read once
+        if os.path.isdir(workdir) or workdir.startswith("gs://"):
+            check_resumed_data(config, inputs, workdir)
         watchdog = Watchdog(config.watchdog_secs)
-        with open_checkpointer(config, mesh, watchdog, inputs) as checkpointer:
+        with open_checkpointer(config, mesh, watchdog, inputs, workdir) as checkpointer:
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
             for name, secs in (startup_phases or {}).items():
                 log_phase(name, secs)

@@ -6,7 +6,9 @@ from its spec (trainer.models.resolve(config.model)); nothing here knows which o
 A Program is the replay program the verifier needs (verifier/program.py's protocol), and
 `replay_program` is how the verifier builds one from a manifest's config on its own mesh. The init and
 the step are traced at the config's --matmul_precision whatever the calling thread's setting, so a
-verifier replays each run at the precision it recorded.
+verifier replays each run at the precision it recorded. `validate` checks a config against its model
+and the devices before anything is written; it lives here because it ends with check_model, an
+abstract trace of the model's init and step.
 """
 
 import dataclasses
@@ -16,9 +18,10 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from checkpointing import check_fields, expand_local_dir, resolve_path
 from runtime import mesh as mesh_lib
-from trainer import data, models, state as state_lib, step as step_lib
-from trainer.config import ConfigError, TrainConfig, validate
+from trainer import code as code_lib, data, model_config, models, state as state_lib, step as step_lib
+from trainer.config import ConfigError, TrainConfig, check_mesh, check_training_fields, validate_workdir
 
 REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
 
@@ -152,11 +155,43 @@ def replay_program(config: dict, mesh: Mesh) -> Program:
     verifier's. ConfigError names a field the recorded config cannot hold; DatasetChangedError the
     file or field of the recorded dataset identity that the files on disk no longer match."""
     fields = {k: v for k, v in config.items() if k not in data.RECORDED_KEYS}
-    recorded = TrainConfig.from_json({**fields, "mesh": dict(mesh.shape)})
-    recorded = validate(recorded.replace(resume_from="latest", init_from=""), mesh.devices.size, check_workdir=False)
+    recorded = model_config.from_json({**fields, "mesh": dict(mesh.shape)})
+    recorded = validate(model_config.replace(recorded, resume_from="latest", init_from=""), mesh.devices.size,
+                        check_workdir=False)
     # Replay reads only the train split: the eval batches are not part of a step.
-    inputs = data.open_inputs(models.resolve(recorded.model), recorded.replace(eval_data="", eval_every_steps=0), mesh)
+    inputs = data.open_inputs(models.resolve(recorded.model),
+                              model_config.replace(recorded, eval_data="", eval_every_steps=0), mesh)
     data.check_recorded(config, inputs, "recorded in the manifest")
-    from trainer import code as code_lib  # the code identity reads the spec's files (and git): only here
-
     return dataclasses.replace(build_program(recorded, mesh, inputs), code=code_lib.identity(recorded))
+
+
+def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:
+    """Checks the config against itself, its model and the visible devices; returns it with the mesh
+    filled in and --save_every_secs parsed.
+
+    A reader of someone else's workdir (the verifier) passes check_workdir=False: it must not probe it.
+    """
+    check_fields(config)
+    config = dataclasses.replace(config, checkpoint=config.checkpoint.validated())
+    spec = models.resolve(config.model)
+    config = check_training_fields(config, spec)
+    spec.check_config(config)
+    if config.eval_every_steps and not config.eval_data:  # refused before anything is written, as every check
+        raise ConfigError(f"--eval_every_steps={config.eval_every_steps} needs --eval_data=records:<glob>")
+    if config.eval_every_steps and spec.takes_model_state:
+        raise ConfigError(f"--eval_every_steps={config.eval_every_steps}: the model's loss carries model state "
+                          "(BatchNorm, dropout); evaluation supports losses of (params, batch) only")
+    if not config.mesh:
+        config = dataclasses.replace(config, mesh=(("data", device_count),))
+    check_mesh(config.mesh, device_count)
+    sizes = config.mesh_shape()
+    if config.batch_size % sizes["data"]:
+        raise ConfigError(
+            f"--batch_size={config.batch_size} is not divisible by the data axis ({sizes['data']})"
+        )
+    if check_workdir:
+        config = dataclasses.replace(config, workdir=resolve_path(config.workdir, "--workdir"))
+        validate_workdir(config.workdir)
+    expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
+    check_model(config, spec)  # abstractly: collections, loss, optimizer, nnx
+    return config

@@ -20,7 +20,7 @@ from runtime import entry  # noqa: E402
 from trainer import compile_cache  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
-from trainer.config import validate  # noqa: E402
+from trainer.program import validate  # noqa: E402
 
 
 def process_start_time() -> float | None:

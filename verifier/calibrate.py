@@ -27,7 +27,8 @@ from checkpointing.config import ConfigError  # noqa: E402
 from runtime import entry  # noqa: E402
 from runtime import mesh as mesh_lib  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402  (the model's flags, a spec's own fields included)
-from trainer.config import validate  # noqa: E402
+from trainer import model_config  # noqa: E402
+from trainer.program import validate  # noqa: E402
 from verifier import drift, tolerances  # noqa: E402
 
 MESHES = flags.DEFINE_string("meshes", "data=4,model=2;data=8;data=2,model=4",
@@ -76,16 +77,17 @@ def main(argv: list[str]) -> None:
     if config.steps < 1:  # at the init the moments are zero and step 0 is the right index: nothing is broken
         raise ConfigError("--steps must be at least 1: seed 003's broken resumes need a trained state")
     # The run covers the windows (a schedule whose length defaults to --steps must not end before them).
-    config = validate(config.replace(mesh=meshes[0], steps=config.steps + windows[-1]), sizes[0],
+    config = validate(model_config.replace(config, mesh=meshes[0], steps=config.steps + windows[-1]), sizes[0],
                       check_workdir=False)
     for mesh, size in zip(meshes[1:], sizes[1:]):  # a mesh may use fewer devices than the machine has
-        validate(config.replace(mesh=mesh), size, check_workdir=False)
+        validate(model_config.replace(config, mesh=mesh), size, check_workdir=False)
     logging.info("calibrating %s: %d steps on %s, windows %s on %s", config.model, config.steps - windows[-1],
                  drift.mesh_label(meshes[0]), windows, "; ".join(drift.mesh_label(m) for m in meshes[1:]))
     found = drift.measure(config, meshes, windows, config.steps - windows[-1], NOISE_RATIO.value)
     rows = drift.per_window(found)
     derived = drift.derive(rows, SAFETY.value, SIGNAL_MARGIN.value, NOISE_RATIO.value)
-    result = {"model": config.model, "model_fields": dict(config.model_fields), "fixed_fields": config.fixed_fields(),
+    result = {"model": config.model, "model_fields": dict(config.model_fields),
+              "fixed_fields": model_config.fixed_fields(config),
               "meshes": [drift.mesh_label(m) for m in meshes], "windows": windows,
               "start_step": config.steps - windows[-1], **derived, "per_window": rows,
               "per_mesh": [d.as_dict() for d in found]}

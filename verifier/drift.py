@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from checkpointing.compare import leaf_differences, relative_difference
 from runtime.dispatch import blocks_each_step
+from trainer import model_config
 from trainer.config import TrainConfig
 from trainer.program import build_mesh, build_program
 from verifier import tolerances
@@ -156,7 +157,7 @@ def loss_drift(actual: list[float], expected: list[float]) -> float:
 
 def program_on(config: TrainConfig, mesh: tuple):
     """`config`'s program on `mesh`, over the first devices it needs (a 2-device mesh beside an 8-device one)."""
-    config = config.replace(mesh=mesh)
+    config = model_config.replace(config, mesh=mesh)
     return build_program(config, build_mesh(config, jax.devices()[:math.prod(size for _, size in mesh)]))
 
 

@@ -103,7 +103,7 @@ class SentencePieceTokenizer:
     name = "sentencepiece"
 
     def __init__(self, documents: list[Document], vocab_size: int):
-        import sentencepiece as spm
+        import sentencepiece as spm  # only this tokenizer needs it
 
         model = io.BytesIO()
         lines = [line for d in documents for line in d.text.splitlines() if line.strip()]

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from trainer.input.records import RecordDataset
+from trainer.input.errors import DataError
+from trainer.input.records import RecordDataset, open_records
 
 Range = tuple[int, int]
 
@@ -126,9 +127,6 @@ def record_batches(data: str, seed: int, batch_size: int, sharding: NamedShardin
     """The batch function of `--data=records:<glob>`, checked against the model's flags at start-up:
     each record must hold seq_len + 1 tokens, and prepare's vocabulary must fit in vocab_size.
     `check_data` is how the files' content digests are taken (trainer/input/digests.py)."""
-    from trainer.input.errors import DataError
-    from trainer.input.records import open_records
-
     dataset = open_records(data, seed, check_data)
     if seq_len is not None and dataset.record_shape != (seq_len + 1,):
         raise DataError(f"--seq_len={seq_len}: the records of --data={data} hold {dataset.record_shape[0]} tokens, "

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from jax.sharding import PartitionSpec as P
 
+from checkpointing import CheckpointConfig
 from trainer.config import ConfigError, TrainConfig
 from trainer.models.measured import StateTolerance, load_tolerances  # noqa: F401 (the spec's API)
 
@@ -217,8 +218,6 @@ def check_module(spec: ModelSpec, module) -> None:
 
 
 def _checkpoint_names() -> set[str]:
-    from checkpointing import CheckpointConfig
-
     return {f.name for f in dataclasses.fields(CheckpointConfig)}
 
 
