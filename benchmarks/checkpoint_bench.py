@@ -8,24 +8,23 @@ rounds (one unmeasured, then --samples measured, in an order rotated each round)
 sides of a ratio are measured seconds apart; the variants run in an order rotated each repeat:
 
   saves     sync_save: the service with async_save=False, save + wait;
-            async_marked_save: the service as the trainer runs it at a step-cadence save: the
-            fingerprints came with the state (checkpointing/marks.py: the loop dispatches them right
-            after the step; computed before the clock starts, as the step is), so save() dispatches
-            nothing: save() blocking, save + wait until committed;
+            async_marked_save: the service as Checkpointer.on_step runs it at a step-cadence save:
+            the fingerprints came with the state (checkpointing/marking.py: on_step dispatches them
+            as the state comes in; computed before the clock starts, as the step is), so save()
+            dispatches nothing: save() blocking, save + wait until committed;
             async_save: the service dispatching the fingerprint pass itself (a time-based or
-            preemption save, a loop that passes no marks): the same, and what save() spent its
-            blocking time in (probed calls);
+            preemption save): the same, and what save() spent its blocking time in (probed calls);
             orbax_save: plain Orbax, ocp.CheckpointManager(dir) (async by default), StandardSave:
             save() blocking, save + wait; orbax_two_items_save: the same with the service's
             two items (the state and a JSON manifest without fingerprints)
   passes    fingerprint_pass: the pass as save() runs it (tree_fingerprints, then to_ints), and
             state_read: one read of the state (a jitted sum over every leaf) as its reference;
             marked_step / plain_step: a step writing every leaf (x + 1), then its output's marks
-            (fingerprints) as the trainer's loop dispatches them, and the step alone: what the
-            marks add to the trainer's loop at a save step
+            (fingerprints) as on_step dispatches them, and the step alone: what the marks add to
+            a loop at a save step
   restores  service.restore onto the saved layout, data=8 and model=8, and the time its
             fingerprint check took (checks.check_fingerprints, as the service calls it); each
-            layout's save marks compiled first, untimed, as the trainer does before its restore
+            layout's save marks compiled first, untimed, as Checkpointer.prepare does before a restore
   rss_*     peak host RSS above the live state (VmHWM, reset through /proc/self/clear_refs)
             during a service save, a plain Orbax save and a restore, once each, unwarmed
 

@@ -28,6 +28,7 @@ from benchmarks import common
 from benchmarks.checkpoint_state import LAYOUTS, STATE_GIB, abstract_state, random_state, shardings, state_bytes
 from checkpointing import content
 from checkpointing import fingerprint as fingerprint_lib
+from checkpointing import marking
 from checkpointing import marks as marks_lib
 from checkpointing import manifest as manifest_lib
 from checkpointing import orbax_hooks
@@ -179,30 +180,26 @@ def passes() -> dict[str, list[float]]:
 
 
 @functools.cache
-def _jitted() -> tuple:
-    """(a step writing every leaf (x + 1), the trainer's marks executable for this state's layout)."""
-    replicated = shardings("same")["step"]
-    step = jax.jit(lambda state: jax.tree.map(lambda x: x + jnp.ones((), x.dtype), state),
+def _step():
+    """A step writing every leaf (x + 1)."""
+    return jax.jit(lambda state: jax.tree.map(lambda x: x + jnp.ones((), x.dtype), state),
                    out_shardings=shardings("same"))
-    marks = jax.jit(lambda state, flags: marks_lib.step_marks(state, flags, shardings("same")),
-                    out_shardings=(replicated, replicated))
-    return step, marks
 
 
 def marks_of(state):
-    """The state's marks with its fingerprints, as the trainer's loop dispatches them (trainer/step.py)."""
-    return _jitted()[1](state, marks_lib.request(shardings("same")["step"].mesh, fingerprints=True).flags)
+    """The state's marks with its fingerprints, as Checkpointer.on_step dispatches them (checkpointing/marking.py)."""
+    return marking.dispatch(state, fingerprints=True, summaries=False)
 
 
 def marked_step(state, fingerprints: bool):
-    """The step, then (asked) its output's marks: what the trainer's loop runs before a step-cadence save."""
-    new = _jitted()[0](state)
+    """The step, then (asked) its output's marks: what a loop and its on_step run before a step-cadence save."""
+    new = _step()(state)
     return (new, marks_of(new)) if fingerprints else new
 
 
 def restore_target(layout: str) -> dict:
-    """The abstract state of `layout`, with its save marks compiled: the trainer compiles them before its
-    restore (trainer/loop.py), whose check then dispatches them (checkpointing/marks.py)."""
+    """The abstract state of `layout`, with its save marks compiled: the trainer prepares them before its
+    restore (Checkpointer.prepare), whose check then dispatches them (checkpointing/marks.py)."""
     target = abstract_state(layout)
     marks_lib.compile_marks(target)
     return target

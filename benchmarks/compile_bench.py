@@ -10,9 +10,9 @@ the cached executable, in every process at every restart. Per model (the goodput
 a data=2 mesh of 2 fake CPU devices and fills a fresh cache (the "cold" totals); then --samples more
 fresh processes each do what a relaunch does and time each phase (`.trace`, `.lower()`, `.compile()`)
 of, in this order: the step (`StepFn.jitted`); `fingerprints` and `summaries`, marks_fn's two
-executables (compile_marks compiles the first); and, as the baseline, `one_executable`: both in one jit
+executables (Checkpointer.prepare compiles the first); and, as the baseline, `one_executable`: both in one jit
 of `step_marks` under `lax.cond` per part, what the trainer compiled before its restore until this
-benchmark; and `kept_fingerprints`: the fingerprints as the trainer now gets them (compile_marks,
+benchmark; and `kept_fingerprints`: the fingerprints as the trainer now gets them (Checkpointer.prepare,
 checkpointing/executables.py: the executable the cold process kept, loaded; its load counts as the
 compile). Reported: the medians of each phase, and over the step's total: the restart's marks
 (fingerprints), kept, all the marks (fingerprints + summaries) and the one executable. Nothing is a test

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import CallProbe
 from checkpointing import manifest as manifest_lib
+from checkpointing import marking
 from checkpointing import marks as marks_lib
 from checkpointing import orbax_hooks
 from checkpointing import service as service_lib
@@ -88,12 +89,9 @@ class Cases:
     def __init__(self, state: dict, root: str):
         self.state, self.root, self.host = state, root, None
         self.target = abstract(state)
-        marks_lib.compile_marks(self.target)  # as the trainer does before a restore
-        sharding = mesh_sharding()
-        replicated = NamedSharding(sharding.mesh, P())
-        marks = jax.jit(lambda s, f: marks_lib.step_marks(s, f, jax.tree.map(lambda x: x.sharding, state)),
-                        out_shardings=(replicated, replicated))
-        self.fingerprints = jax.block_until_ready(marks(state, marks_lib.request(sharding.mesh, True).flags)[0])
+        marks_lib.compile_marks(self.target)  # as Checkpointer.prepare does before a restore
+        # The fingerprints a step-cadence save is given, as Checkpointer.on_step dispatches them.
+        self.fingerprints = jax.block_until_ready(marking.dispatch(state, fingerprints=True, summaries=False)[0])
         self.run = RunMetadata(config={"bench": True}, fixed_fields={}, fixed_hash="bench",
                                mesh={"data": jax.device_count()})
         self.saved = set()

@@ -85,7 +85,7 @@ def train(config, phases: dict[str, float], opened_at: float) -> None:
     latest = manager.latest_step() if manager is not None else None
     loop.log_phase("open", time.perf_counter() - opened_at)  # as the trainer's: to the compile
     begin = time.perf_counter()
-    loop.compile_program(program, fresh=latest is None, fingerprints=False)  # plain Orbax takes none
+    loop.compile_program(program, fresh=latest is None)  # plain Orbax takes no fingerprints
     loop.log_phase("compile", time.perf_counter() - begin)
     begin = time.perf_counter()
     if latest is None:

@@ -11,8 +11,7 @@ import importlib
 _PUBLIC = {
     # the service
     "Checkpointer": "checkpointer", "SaveEvent": "saver", "RestoreResult": "restore",
-    "restore_subtree": "partial", "Preempted": "saver", "ReplayProgram": "replay", "step_marks": "marks",
-    "mark_request": "marks", "marks_fn": "marks", "compile_marks": "marks", "compile_fingerprint_pass": "fingerprint",
+    "restore_subtree": "partial", "Preempted": "saver", "ReplayProgram": "replay",
     # configuration
     "CheckpointConfig": "config", "ConfigError": "config", "AUTO": "config", "option": "config",
     "check_fields": "config", "format_mesh": "config", "resolve_path": "config", "parse_save_every_secs": "config",
@@ -31,8 +30,7 @@ _PUBLIC = {
     "WorkdirLeasedError": "errors", "LeaseLostError": "errors", "StepAlreadyCommittedError": "errors",
     "StorageUnavailableError": "errors", "InputStateError": "errors", "one_line_cause": "errors",
 }
-_RENAMED = {"mark_request": "request", "compile_fingerprint_pass": "compile_pass",
-            "draw_plot": "draw", "plot_series": "series", "PLOT_FORMATS": "FORMATS"}
+_RENAMED = {"draw_plot": "draw", "plot_series": "series", "PLOT_FORMATS": "FORMATS"}
 
 __all__ = sorted(_PUBLIC)
 

@@ -9,21 +9,21 @@
 
 Opening checks the request against the workdir (read only: a refused run changes nothing), then
 takes the workdir's lease for the whole pod, opens the persistent tier and, with a local_dir, this
-host's local tier. `on_step` takes the preemption decision once per step, asks the save schedule
-(steps, seconds, `auto`, the local tier, the preemption deadline) and saves. `close` waits for the
-last commit and releases the lease; leaving the block by an exception aborts instead (waits for the
-save in flight, so it cannot race the next writer, and releases the lease). docs/api.md has every name.
+host's local tier. `on_step` dispatches the save marks (checkpointing/marking.py), takes the preemption
+decision once per step, asks the save schedule (steps, seconds, `auto`, the local tier, the preemption
+deadline) and saves (`prepare` makes the marks ahead). `close` waits for the last commit and releases
+the lease; leaving the block by an exception aborts instead (waits for the save in flight, so it cannot
+race the next writer, and releases the lease). docs/api.md has every name.
 """
 
 import dataclasses
 from typing import Callable, Iterable
 
-import jax
 from absl import logging
 
 from checkpointing import input_state, probes, run_record, verdicts
 from checkpointing import lease as lease_lib
-from checkpointing import marks as marks_lib
+from checkpointing import marking
 from checkpointing import restore as restore_lib
 from checkpointing import workdir as workdir_lib
 from checkpointing.config import AUTO, CheckpointConfig, resolve_path
@@ -84,7 +84,7 @@ class Checkpointer:
         self.watchdog = watchdog or Watchdog(watchdog_secs)
         self.preemption = PreemptionWatch()
         self._saver: Saver | None = None
-        self._summaries_ahead = None  # the abstract state whose probe summaries a marks-passing loop compiles
+        self._prepared: marking.Prepared | None = None
         self._closed = False
         self.local: CheckpointService | None = None
         try:
@@ -115,12 +115,22 @@ class Checkpointer:
 
     # --- restoring -----------------------------------------------------------------------------
 
+    def prepare(self, abstract_state) -> marking.Prepared:
+        """Optional, on every process: makes the fingerprints of states like `abstract_state` ahead, so the
+        restore's check and a preemption's save compile nothing. Returns at once, loading the executable an
+        earlier launch kept on a thread (beside the caller's compiles); `.result()` waits for it, or compiles
+        it on the calling thread, and returns "disk" or "compiled". restore_or_init waits for it."""
+        self._prepared = marking.Prepared(abstract_state)
+        return self._prepared
+
     def restore_or_init(self, abstract_state, init_fn: Callable[[], object]) -> restore_lib.RestoreResult:
         """The state to start from, per options.resume_from (checkpointing/restore.py): restored onto the
         shardings of `abstract_state` (ShapeDtypeStructs, e.g. jax.eval_shape of the init with the current
         mesh's shardings), checked leaf by leaf against the fingerprints taken at save time; else init_fn().
         With a data_iterator, a restored step also sets it to the position this process saved there."""
         with self.watchdog.bounded("restoring", self.watchdog.timeout_secs):
+            if self._prepared is not None:
+                self._prepared.result()
             start = restore_lib.restore_or_init(self.options, self.service, self.local, self._candidates,
                                                 abstract_state, init_fn, self.run.init_from)
             if start.tier is None and collective.is_primary():  # a first start (or a start over): before any save
@@ -143,7 +153,8 @@ class Checkpointer:
         if not self.options.probe_steps or self.run.program is None:
             return None  # a run the verifier does not replay needs no probes
         on_host = self.options.probe_summaries == AUTO and probes.host_held(abstract_state)
-        self._summaries_ahead = None if on_host else abstract_state  # see marks_wanted
+        if not on_host:  # on_step dispatches them at a window's end: compiled on a thread as the loop starts
+            marking.summaries_ahead(abstract_state)
         recorder = ProbeRecorder(self.workdir, self.options.probe_steps, self.total_steps, self.run.mesh, on_host)
         if start.tier == "persistent":
             recorder.saved(start.step, committed=True)  # if the attempt that saved it died first, this one records it
@@ -151,30 +162,19 @@ class Checkpointer:
 
     # --- saving --------------------------------------------------------------------------------
 
-    def marks_wanted(self, step: int):
-        """What the step that makes the state of `step` should compute for it, inside its jit: pass the
-        result's `.flags` to checkpointing.step_marks and its output to on_step(marks=). Optional: without
-        marks a save dispatches its own fingerprint pass (checkpointing/marks.py says what that costs)."""
-        if self._saver is None:
-            raise RuntimeError("Checkpointer.marks_wanted before restore_or_init")
-        if self._summaries_ahead is not None:  # a loop that passes marks: its probes' summaries compile meanwhile
-            shardings = jax.tree.map(lambda x: x.sharding, self._summaries_ahead)
-            marks_lib.marks_fn(shardings).compile_summaries_ahead(self._summaries_ahead)
-            self._summaries_ahead = None
-        return self._saver.marks_wanted(step, self.mesh)
-
-    def on_step(self, step: int, state, loss=None, metrics: dict | None = None, marks=None) -> SaveEvent:
+    def on_step(self, step: int, state, loss=None, metrics: dict | None = None) -> SaveEvent:
         """Call after every step, on every process: `step` is the state's step counter (steps done) and
         `loss` the loss of step `step - 1` (a device scalar is fine: it is read only when a save records
         it). `metrics` ({name: number}, e.g. an eval loss measured at `step`) are recorded in the next
         save's manifest (extra.metrics["<step>"]). Saves when the schedule says; on a preemption saves,
         waits for the commit and raises Preempted (a SystemExit with code 75). Raises AsyncSaveError if
         the previous background save failed (the step it wrote is not committed; the one before stays
-        the latest). `marks`: what the step computed for marks_wanted(step)."""
+        the latest). First of all it dispatches the marks of `state` that a save of `step` certain now, or a
+        probe's summaries due there, will read, so the save dispatches no pass of its own."""
         if self._saver is None:
             raise RuntimeError("Checkpointer.on_step before restore_or_init")
         self.workdir.live()  # the start-up is over: listings and manifests are read afresh from now on
-        return self._saver.on_step(step, state, loss, metrics, marks)
+        return self._saver.on_step(step, state, loss, metrics)
 
     # --- closing -------------------------------------------------------------------------------
 

@@ -1,21 +1,20 @@
-"""Save marks: a saved state's fingerprints and its probe's summaries, dispatched by the loop, not by save().
+"""Save marks: a saved state's fingerprints and its probe's summaries, dispatched by on_step, not by save().
 
 Dispatched inside save(), the fingerprint pass competes with Orbax's background write for the interpreter lock
-and the device threads (on CPU ~20 ms at 1 GiB, 3.5x plain Orbax's save()). Asked a step ahead (the Checkpointer
-knows its step-cadence saves and probe windows), the loop dispatches them right after the step that writes the
-state, and save() dispatches none:
+and the device threads (on CPU ~20 ms at 1 GiB, 3.5x plain Orbax's save()). The Checkpointer knows its
+step-cadence saves and probe windows, so its on_step dispatches their marks the moment the step's state comes
+in, and save() dispatches none (checkpointing/marking.py):
 
-    wanted = checkpointer.marks_wanted(step + 1)          # host decision, the same on every process
     state, loss = train_step(state, batch)
-    marks = marks_fn(shardings)(state, wanted) if wanted.any else None   # dispatches what was asked
-    checkpointer.on_step(step + 1, state, loss, marks=marks)
+    checkpointer.on_step(step + 1, state, loss)   # marks_fn(shardings)(state, wanted): what is due at step + 1
 
 The marks (uint32[n, 2] fingerprints, float32[n, 2] summaries; None where not asked), two executables per
 layout: the fingerprints (each device hashes its slice, one all-reduce), compiled before a restart's restore,
 and the summaries where the probe does not take them on the host (checkpointing/probes.py), compiled on a
 thread while the loop trains (`compile_summaries_ahead`: at the first probe they stopped a TPU's loop 6-15 s).
 Neither holds a conditional nor is inside the step (that changed how XLA compiled the update). `step_marks`:
-the same in a caller's jit, asked by a bool[2] `flags`. An unasked save dispatches the fingerprints itself.
+the same in a caller's jit, asked by a bool[2] `flags` (benchmarks' baseline). An unasked save (time-based,
+preemption) dispatches the fingerprints itself.
 """
 
 import concurrent.futures
@@ -49,7 +48,6 @@ class Wanted:
 
 
 _AHEAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="summaries-compile")
-NOTHING = Wanted(False, False, None)  # what a step not asked for marks gives (host side only)
 # Layouts (tree, shardings, shapes) whose marks_fn compile_marks has compiled: their fingerprints come from it.
 _COMPILED: set[tuple] = set()
 
@@ -62,7 +60,7 @@ def request(mesh: Mesh | None, fingerprints: bool = False, summaries: bool = Fal
         return Wanted(fingerprints, summaries, jax.device_put(value))
     # From each process's own copy: device_put of a host value onto a multi-process mesh first checks that
     # every process passed the same one, an all-gather (and its compile) per call; these are the same by
-    # construction (every process asks the same steps, Checkpointer.marks_wanted).
+    # construction (every process asks the same steps).
     with jax.transfer_guard_host_to_device("allow"):  # once per mesh and request (cached), never per step
         flags = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P()), lambda index: value[index])
     return Wanted(fingerprints, summaries, flags)

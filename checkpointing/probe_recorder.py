@@ -4,10 +4,11 @@ A window opens when a persistent save of S starts (or the run resumes from a per
 the losses of steps S .. S+k-1 as device scalars as they come, and at step S+k takes the state's
 per-leaf summaries: where process 0 holds the state whole in host memory (`on_host`, probes.host_held),
 process 0 sums it there before the next step can donate it (probes.host_summaries, ~13 ms for the goodput
-benchmark's 45 MiB); else they are dispatched on the devices (computed by that step when the loop passes
-its marks, checkpointing/marks.py; else one jit of their own, on every process: it is a collective on the
-mesh). A window is written by process 0 at a later step boundary, once S has committed and its values are
-on the host (`is_ready`), or at close. k is `probe_steps`, shortened by the run's end; 0 records none.
+benchmark's 45 MiB); else they are dispatched on the devices, with that step's marks (on_step dispatches
+them, checkpointing/marking.py; a state not on NamedShardings of one mesh: one jit of their own), on every
+process: it is a collective on the mesh. A window is written by process 0 at a later step boundary, once S
+has committed and its values are on the host (`is_ready`), or at close. k is `probe_steps`, shortened by the
+run's end; 0 records none.
 The file itself (a read of the manifest, a durable write: two fsyncs) is written on a thread of its own,
 so the step loop never waits for the disk; close waits for it.
 """
@@ -69,16 +70,16 @@ class ProbeRecorder:
         return not self._on_host and any(window.end == step and window.summaries is None
                                          for window in self._windows)
 
-    def on_step(self, step: int, state, marks=None) -> None:
-        """At a window's end takes its summaries: on the host (process 0), or from the step's marks
-        (checkpointing/marks.py), or else dispatches them; then writes the windows that are ready."""
+    def on_step(self, step: int, state, summaries=None) -> None:
+        """At a window's end takes its summaries: on the host (process 0), or the step's marks' `summaries`
+        (checkpointing/marking.py), or else dispatches them; then writes the windows that are ready."""
         for window in self._windows:
             if window.end == step and window.summaries is None:
                 if self._on_host:  # only process 0 writes probes: the others have nothing to compute
                     summaries = probes.host_summaries(state) if jax.process_index() == 0 else {}
                     window.summaries, window.summary_pass = summaries, probes.HOST_PASS
-                elif marks is not None:
-                    window.summaries, window.summary_paths = marks[1], marks_lib.leaf_paths(state)
+                elif summaries is not None:
+                    window.summaries, window.summary_paths = summaries, marks_lib.leaf_paths(state)
                     window.summary_pass = probes.STEP_PASS
                 else:
                     window.summaries, window.summary_pass = probes.leaf_summaries(state), probes.SEPARATE_PASS

@@ -17,13 +17,13 @@ float64 (`host_summaries`): nothing is compiled, loaded or dispatched for them. 
 the summaries cost every launch of the goodput benchmark's trainer about 0.2 s on 2 cores (its trace,
 lowering and load, and a first run that sets up XLA's YNN reductions, ~1 ms each), against ~13 ms a probe
 here (docs/performance.md). Elsewhere (accelerators, a leaf split across processes) they are reduced on
-the devices, inside the trainer's step marks when the loop passes them.
+the devices, with the step's save marks (on_step dispatches them, checkpointing/marking.py).
 
 Fields: step, manifest_digest, losses {"<step>": float}, summary_step, summaries {path: [sum, norm]},
 mesh {"axis": size}, process_count, recorded_at, summary_pass: "host" by host_summaries (the verifier
 recomputes them the same way from its replayed state: bit-exact on the same layout); "step" when they were
-computed inside the trainer's step (checkpointing/marks.py; the verifier's replay then computes them the
-same way, so they stay bit-exact on the same layout); "separate" (or absent) by leaf_summaries, a pass of
+the step's save marks (checkpointing/marks.py; the verifier computes its replayed state's with the same
+executable, so they stay bit-exact on the same layout); "separate" (or absent) by leaf_summaries, a pass of
 its own.
 """
 

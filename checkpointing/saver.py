@@ -15,7 +15,7 @@ from absl import logging
 
 from checkpointing import local_tier
 from checkpointing import manifest as manifest_lib
-from checkpointing import marks as marks_lib
+from checkpointing import marking
 from checkpointing.errors import AsyncSaveError, one_line_cause
 from checkpointing.probe_recorder import ProbeRecorder
 from checkpointing.schedule import SaveSchedule
@@ -101,24 +101,20 @@ class Saver:
         self.losses = LossRecord(carried_losses, start_step)
         self._probes = probes  # what the verifier's cheap proof compares against (checkpointing/probes.py)
         self._metrics: dict[str, dict[str, float]] = {}  # {step: {name: value}} since the last persistent save
-        self._wanted: tuple[int | None, marks_lib.Wanted] = (None, marks_lib.NOTHING)  # the last marks_wanted
-        self._marked = None  # this step's fingerprints, computed by the step that wrote its state
+        self._marked = None  # this step's fingerprints, dispatched by on_step as the state came in
 
-    def marks_wanted(self, step: int, mesh) -> marks_lib.Wanted:
-        """What the step that makes the state of `step` should compute for it (checkpointing/marks.py):
-        its fingerprints when a save of `step` is certain now (a step cadence, the final step, the local
-        tier's cadence), its summaries when a probe window ends there. The same on every process."""
+    def marks_due(self, step: int) -> tuple[bool, bool]:
+        """(fingerprints, summaries): the marks of the state of `step` (checkpointing/marking.py): its
+        fingerprints when a save of `step` is certain (a step cadence, the final step, the local tier's
+        cadence), its summaries when a probe window ends there on the devices. The same on every process."""
         fingerprints = step != self._last_saved and (
             bool(self.schedule.reason_known_ahead(step, final=step == self._end_step))
             or (self._local is not None and self.schedule.local_due(step)))
-        summaries = self._probes is not None and self._probes.summaries_due(step)
-        self._wanted = (step, marks_lib.request(mesh, fingerprints, summaries))
-        return self._wanted[1]
+        return fingerprints, self._probes is not None and self._probes.summaries_due(step)
 
-    def on_step(self, step: int, state, loss=None, metrics: dict | None = None, marks=None) -> SaveEvent:
-        # Marks count only for the step they were asked for, and only what was asked.
-        wanted = self._wanted[1] if marks is not None and self._wanted[0] == step else marks_lib.NOTHING
-        self._marked = marks[0] if wanted.fingerprints else None
+    def on_step(self, step: int, state, loss=None, metrics: dict | None = None) -> SaveEvent:
+        # First, before anything here can block: the marks a save or a probe of this step will read.
+        self._marked, summaries = marking.dispatch(state, *self.marks_due(step))
         now = self._clock()
         self._watchdog.pet(f"step {step + 1}")
         self._service.check_for_errors()
@@ -134,7 +130,7 @@ class Saver:
             if self._probes is not None:
                 self._probes.add_loss(step - 1, loss)
         if self._probes is not None:
-            self._probes.on_step(step, state, marks if wanted.summaries else None)
+            self._probes.on_step(step, state, summaries)
         if metrics:
             self._metrics[str(step)] = {name: float(value) for name, value in metrics.items()}
         if self._preemption.decide(step) and step != self._end_step:

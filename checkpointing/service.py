@@ -114,7 +114,7 @@ class CheckpointService:
 
         Call on every process. Fingerprints are computed on device and read back by the background
         write (see orbax_hooks.ManifestHandler), so the caller never waits for them: `fingerprints`,
-        those the step that wrote `state` computed (checkpointing/marks.py), else a pass of their own.
+        those on_step dispatched as `state` came in (checkpointing/marking.py), else a pass of their own.
         """
         if self._run is None:
             raise ValueError("a read-only service (no RunMetadata) cannot save")
@@ -262,7 +262,7 @@ class CheckpointService:
         # way on (local_tier.on_every_process), or one would wait forever in a collective the others left.
         agreed = (lambda part: local_tier.on_every_process(step, part)) if local else (lambda part: part())
         manifest = agreed(checked_manifest)
-        # The check's executable: the layout's compiled marks (compile_marks), else the pass, compiled
+        # The check's executable: the layout's compiled marks (Checkpointer.prepare), else the pass, compiled
         # on a thread while Orbax reads.
         ahead = None if marks_lib.compiled_for(abstract_state) else fingerprint_lib.CompiledAhead(abstract_state)
         try:

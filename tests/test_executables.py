@@ -12,14 +12,13 @@ from tests import helpers
 
 pytestmark = pytest.mark.slow  # each launch is a Python subprocess
 
-# One launch: compile_marks for a state of `rows` rows (or `{rows}` as given), then the whole
+# One launch: compile_marks (Checkpointer.prepare) for a state of `rows` rows (or `{rows}` as given), then the whole
 # {path: fingerprint} dict from the loaded/compiled executable and from the separate fingerprint pass.
 LAUNCH = """
 import json, sys
 import jax, jax.numpy as jnp
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
-from checkpointing import compile_marks
 from checkpointing import fingerprint as fingerprint_lib
 from checkpointing import marks as marks_lib
 cache, rows = sys.argv[1], int(sys.argv[2])
@@ -35,7 +34,7 @@ state = State({"w": jax.device_put(w, NamedSharding(mesh, P("data", "model"))),
                "half": jax.device_put(w.astype(jnp.bfloat16) - 1, NamedSharding(mesh, P(None, "model")))},
               jax.device_put(jnp.int32(rows), NamedSharding(mesh, P())), lambda x: x)
 abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-source = compile_marks(abstract)
+source = marks_lib.compile_marks(abstract)  # what Checkpointer.prepare compiles or loads
 marks = marks_lib.marks_fn(jax.tree.map(lambda x: x.sharding, state))
 assert marks.compiled is not None
 print(json.dumps({"source": source, "marks": marks_lib.fingerprints_of(state),

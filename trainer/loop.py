@@ -1,6 +1,5 @@
 """The training loop: build the program, run the donated step, pull losses at the log cadence."""
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -28,11 +27,9 @@ class TrainResult:
 
 
 def run_steps(program: Program, state, start_step: int, end_step: int, loss_log: LossLog, on_step=None,
-              evaluator: Evaluator | None = None, marks_wanted=None):
+              evaluator: Evaluator | None = None):
     """Runs steps [start_step, end_step); `on_step(steps_done, state, loss)` runs after each (a
     Checkpointer's on_step) and returns a SaveEvent, or None when it did nothing worth reporting.
-    `marks_wanted(steps_done)` (a Checkpointer's) says what the step computes for a save or a probe of
-    its output (checkpointing/marks.py); they reach on_step as `marks`.
 
     At the log cadence process 0 logs one progress line and writes its TensorBoard scalars, with the
     blocking time of the saves the events reported and the throughput. Every --eval_every_steps the
@@ -50,8 +47,7 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             with jax.transfer_guard_host_to_device("allow"):
                 batch = program.batch_fn(step)
             throughput.add_wait()
-            wanted = marks_wanted(step + 1) if marks_wanted is not None else None
-            state, loss, scalars, marks = program.step_fn.with_scalars(state, batch, wanted)
+            state, loss, scalars = program.step_fn.with_scalars(state, batch)
             loss_log.add(step, loss, scalars)
             if step == start_step:  # one sync, once: the restart's latency ends when its first loss is ready
                 loss.block_until_ready()
@@ -83,8 +79,7 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
             if on_step is not None:
                 hook_start = time.perf_counter()
                 extra = {"metrics": evaluated} if evaluated else {}
-                event = on_step(done, state, loss, marks=marks, **extra) if marks is not None else \
-                    on_step(done, state, loss, **extra)
+                event = on_step(done, state, loss, **extra)
                 hook_secs += time.perf_counter() - hook_start
                 if event is not None:
                     commit_secs = list(event.commit_secs)
@@ -108,29 +103,24 @@ def log_phase(name: str, secs: float) -> None:
         metrics.record_phase(name, secs)
 
 
-def compile_program(program: Program, *, fresh: bool, fingerprints: bool = True) -> None:
-    """Compiles the batch function, the step and (starting fresh) the init and the fingerprint pass ahead.
+def compile_program(program: Program, *, fresh: bool, prepare=None) -> None:
+    """Compiles the batch function, the step and (starting fresh) the init ahead, and with `prepare` (a
+    Checkpointer's) the save marks' fingerprints.
 
     jit's own cache then holds these executables, so the loop's first calls compile nothing; with
     the persistent compilation cache on, a warm restart loads them from disk instead.
     """
-    # The save marks' fingerprints, dispatched after the step at the steps a save asks for; a preemption or
-    # time-based save and the restore's check dispatch the same executable (checkpointing.compile_marks), so
-    # no fingerprint pass is compiled beside it. A kept one loads on a thread beside the step's compile (on a
-    # TPU v5e that load took 4 s of a restart, docs/performance.md); one not kept compiles after it.
-    # fingerprints=False: a loop that takes none (the plain Orbax baseline of benchmarks/).
-    kept = _LOADER.submit(program.step_fn.compile_marks, program.abstract_state, True) if fingerprints else None
+    # The fingerprints that the restore's check and every save dispatch: a kept executable loads on a thread
+    # beside the step's compile (on a TPU v5e that load took 4 s of a restart, docs/performance.md); one not
+    # kept compiles after it. No `prepare`: a loop that takes none (the plain Orbax baseline of benchmarks/).
+    prepared = prepare(program.abstract_state) if prepare is not None else None
     if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
         program.batch_fn.lower(0).compile()
     program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
-    if kept is not None:
-        source = kept.result() or program.step_fn.compile_marks(program.abstract_state)
-        logging.info("save marks' fingerprints: %s (process %d)", source, jax.process_index())
+    if prepared is not None:
+        logging.info("save marks' fingerprints: %s (process %d)", prepared.result(), jax.process_index())
     if fresh:
         program.init_fn.lower().compile()
-
-
-_LOADER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marks-load")
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,
@@ -239,7 +229,7 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
                      format_mesh(config.mesh), jax.process_count(), config.steps)
     log_phase("open", time.perf_counter() - opened_at)
     begin = time.perf_counter()
-    compile_program(program, fresh=not checkpointer.resume_candidates)
+    compile_program(program, fresh=not checkpointer.resume_candidates, prepare=checkpointer.prepare)
     log_phase("compile", time.perf_counter() - begin)
     begin = time.perf_counter()
     start = checkpointer.restore_or_init(program.abstract_state, program.init_fn)
@@ -251,7 +241,7 @@ def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watc
     watchdog.pet(f"step {start.step + 1} (compiles the step)")
     evaluator = Evaluator(program) if config.eval_every_steps else None
     state = run_steps(program, state, start.step, config.steps, loss_log, on_step=checkpointer.on_step,
-                      evaluator=evaluator, marks_wanted=checkpointer.marks_wanted)
+                      evaluator=evaluator)
     jax.block_until_ready(state)
     checkpointer.close()  # waits for the last save to commit (or raises AsyncSaveError)
     elapsed = time.perf_counter() - began

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from checkpointing import check_fields, expand_local_dir, marks_fn as save_marks_fn, resolve_path
+from checkpointing import check_fields, expand_local_dir, resolve_path
 from runtime import mesh as mesh_lib
 from trainer import code as code_lib, data, model_config, models, state as state_lib, step as step_lib
 from trainer.config import ConfigError, TrainConfig, check_mesh, check_training_fields, validate_workdir
@@ -39,7 +39,7 @@ class Program:
     state_shardings: state_lib.TrainState
     batch_sharding: NamedSharding
     init_fn: Callable[[], state_lib.TrainState]
-    step_fn: step_lib.StepFn  # (state, batch) -> (state, loss); .with_scalars adds {name: scalar} and marks
+    step_fn: step_lib.StepFn  # (state, batch) -> (state, loss); .with_scalars adds {name: scalar}
     batch_fn: Callable[[int], Any]
     loss_rtol: float  # the model's measured cross-layout tolerances (its spec's)
     state_rtol: float
@@ -72,14 +72,12 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     # over 'data', and the scalar loss is replicated so any process can read it.
     # The scalars (gradient and parameter norms, learning rate) come out replicated too.
     step = at_precision(make_step(config, spec, module, codec), config.matmul_precision)
-    # The save marks (fingerprints, summaries) of a state: asked by a replicated flag, out replicated.
-    marks_fn = save_marks_fn(shardings)
     step_fn = step_lib.StepFn(jax.jit(
         step,
         in_shardings=(shardings, batch_sharding),
         out_shardings=(shardings, replicated, replicated),
         donate_argnums=0,
-    ), marks_fn)
+    ))
     return Program(
         config=config,
         mesh=mesh,

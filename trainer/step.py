@@ -7,7 +7,6 @@ from typing import Callable
 import jax
 import optax
 
-from checkpointing import compile_marks
 from trainer.state import KeyCodec, TrainState
 
 
@@ -43,43 +42,23 @@ def train_step(loss: Callable, takes_model_state: bool, codec: KeyCodec, rng_of:
 
 
 class StepFn:
-    """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), with its scalars
-    and marks for the trainer's loop (`with_scalars`), and its marks alone for the verifier's cheap proof
-    (`with_marks`): one step executable and the marks' two (checkpointing.marks_fn: fingerprints,
-    summaries) serve all three, so every caller computes the same numbers.
+    """The jitted step as the replay protocol calls it, (state, batch) -> (state, loss), and with its scalars
+    for the trainer's loop (`with_scalars`): one executable serves both, so every caller computes the same
+    numbers."""
 
-    The marks are executables of their own, dispatched right after the step and only at the steps asked:
-    inside the step they would change how XLA compiles the update (its losses then differed in the last
-    bits from the step without them, and so did every cross-layout drift).
-    """
-
-    def __init__(self, jitted, marks_fn):
+    def __init__(self, jitted):
         self.jitted = jitted
-        self._marks_fn = marks_fn  # checkpointing.marks_fn of the state's shardings: (state, wanted) -> marks
 
     def __call__(self, state, batch):
         new_state, loss, _ = self.jitted(state, batch)
         return new_state, loss
 
-    def with_scalars(self, state, batch, wanted=None):
-        """(state, loss, scalars, marks): marks per `wanted` (a Checkpointer.marks_wanted answer; None or
-        nothing asked: None, and nothing is dispatched for them)."""
-        new_state, loss, scalars = self.jitted(state, batch)
-        marks = self._marks_fn(new_state, wanted) if wanted is not None and wanted.any else None
-        return new_state, loss, scalars, marks
-
-    def with_marks(self, state, batch, wanted):
-        new_state, loss, _, marks = self.with_scalars(state, batch, wanted)
-        return new_state, loss, marks
+    def with_scalars(self, state, batch):
+        """(state, loss, scalars)."""
+        return self.jitted(state, batch)
 
     def lower(self, state, batch):
         return self.jitted.lower(state, batch)
-
-    @staticmethod
-    def compile_marks(abstract_state, load_only: bool = False) -> str | None:
-        """Compiles (or loads, checkpointing/executables.py) the marks' fingerprints; the Checkpointer's
-        restores and unasked saves then use them too. Returns "disk" or "compiled" (None: load_only found none)."""
-        return compile_marks(abstract_state, load_only=load_only)
 
     def _cache_size(self) -> int:
         return self.jitted._cache_size()

@@ -21,15 +21,12 @@ at load, by checkpointing/replay.py's missing_members):
 
 and, optionally: `loss_rtol` and `state_rtol`, relative bounds across layouts that act as floors under
 the noise the verifier measures (verifier/evidence.py; none needed), and `init_loss_rtol` and
-`init_state_rtol`, the same for an interval replayed from the init; `step_fn.with_marks(state, batch,
-wanted) -> (state, loss, marks)`, the same step computing the save marks of its output
-(checkpointing.step_marks), which the cheap proof uses when the trainer's probe summaries came from its
-step; and `code`: the identity of the code it replays with (for the trainer: version, spec module and
-source hash, git commit; trainer/code.py), compared with the `config["code"]` each manifest recorded: a
-step computed by other code is never called reproduced (code_change below). The verifier's --tolerances
-replaces the four rtols (with_tolerances below). The verifier builds the program on its own mesh and on
-its other layouts (verifier/layouts.py). trainer.program.Program is one; examples/own_loop.py builds its
-own.
+`init_state_rtol`, the same for an interval replayed from the init; and `code`: the identity of the code
+it replays with (for the trainer: version, spec module and source hash, git commit; trainer/code.py),
+compared with the `config["code"]` each manifest recorded: a step computed by other code is never called
+reproduced (code_change below). The verifier's --tolerances replaces the four rtols (with_tolerances
+below). The verifier builds the program on its own mesh and on its other layouts (verifier/layouts.py).
+trainer.program.Program is one; examples/own_loop.py builds its own.
 Manifests from before the field was recorded name the trainer's.
 """
 
@@ -38,7 +35,7 @@ import importlib
 import jax
 
 from checkpointing import compare
-from checkpointing import marks as marks_lib
+from checkpointing import marking
 from checkpointing import replay
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.input_state import read_input_states
@@ -178,8 +175,7 @@ def replay_losses(program, state, start_step: int, num_steps: int, batches=None)
 
 
 def replay_marked_step(program, state, step: int, batches=None):
-    """Runs step `step` with its output's probe summaries computed inside it, as the trainer's step did
-    (step_fn.with_marks); returns (state, loss, {key path: [sum, norm]})."""
-    batch = next(batches) if batches is not None else program.batch_fn(step)
-    state, loss, marks = program.step_fn.with_marks(state, batch, marks_lib.request(program.mesh, summaries=True))
-    return state, float(jax.device_get(loss)), marks_lib.summaries_of(marks[1], marks_lib.leaf_paths(state))
+    """Runs step `step`, then its output's probe summaries as the trainer's on_step took them, with the save
+    marks' own executable (checkpointing/marking.py); returns (state, loss, {key path: [sum, norm]})."""
+    state, loss = program.step_fn(state, next(batches) if batches is not None else program.batch_fn(step))
+    return state, float(jax.device_get(loss)), marking.summaries_of(state)

@@ -126,9 +126,9 @@ def _replayed(replay, program, start_state, step: int, count: int, recorded_pass
     """({step: loss}, {key path: [sum, norm]} at step + count, whether summed as the trainer did) of a replay
     of `count` steps on `program` from a copy of `start_state`."""
     state = layouts.copy_onto(start_state, program.state_shardings)
-    # Summaries computed inside the trainer's step are computed inside the replay's last step too: the
-    # same executable, so the same numbers on the same layout. Host summaries are recomputed on the host.
-    in_step = recorded_pass == probes.STEP_PASS and hasattr(program.step_fn, "with_marks")
+    # Summaries the trainer took with its step's marks are taken after the replay's last step with the marks'
+    # executable too: the same numbers on the same layout. Host summaries are recomputed on the host.
+    in_step = recorded_pass == probes.STEP_PASS
     state, losses = replay(program, state, step, count - 1 if in_step else count, batches)
     if in_step:
         state, losses[step + count - 1], summaries = program_lib.replay_marked_step(
