@@ -132,7 +132,7 @@ def run_as_written(line: str, cwd) -> list[subprocess.CompletedProcess]:
 
 @pytest.mark.slow
 def test_the_readme_commands_run_as_written_from_a_directory_of_the_users(tmp_path):
-    from checkpointing import committed_steps
+    from checkpointing._src.workdir import committed_steps
 
     [corpus_line] = readme_command_lines("trainer.prepare")
     [own_loop_line] = readme_command_lines("examples.own_loop")

@@ -1,4 +1,4 @@
-"""Save marks (checkpointing/marks.py): a step computes its output's fingerprints and probe summaries when
+"""Save marks (checkpointing/_src/marks.py): a step computes its output's fingerprints and probe summaries when
 the Checkpointer asks, and a save then dispatches no pass of its own. Compared leaf by leaf with the
 separate passes; the steps asked for are compared as whole lists; the trainer's steps are checked through
 the manifests and probes they wrote."""
@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import (CheckpointConfig, Checkpointer, FingerprintMismatchError, compile_marks, mark_request,
-                           step_marks)
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import marks as marks_lib
-from checkpointing import probes
-from checkpointing.checks import check_fingerprints
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing import CheckpointConfig, Checkpointer
+from checkpointing.errors import FingerprintMismatchError
+from checkpointing._src.marks import compile_marks, request as mark_request, step_marks
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import marks as marks_lib
+from checkpointing._src import probes
+from checkpointing._src.checks import check_fingerprints
+from checkpointing._src.workdir import committed_steps, read_manifest
 
 MESH = jax.make_mesh((4, 2), ("data", "model"))
 SHARDED, REPLICATED = NamedSharding(MESH, P("data", "model")), NamedSharding(MESH, P())
@@ -142,7 +143,7 @@ def test_marks_given_for_a_step_not_asked_are_ignored_and_the_save_takes_its_own
 def test_a_state_held_in_host_memory_is_summarized_there_and_no_step_is_asked_for_summaries(workdir, counted,
                                                                                             monkeypatch):
     """--probe_summaries=auto (the default) on CPU devices of one process: the probes' summaries are taken on
-    the host (checkpointing/probes.py), so the loop's marks never compute them and no summary pass runs; the
+    the host (checkpointing/_src/probes.py), so the loop's marks never compute them and no summary pass runs; the
     values are host_summaries' of the state, and the device pass's up to float32 rounding."""
     dispatched, original = [], probes.leaf_summaries
     monkeypatch.setattr(probes, "leaf_summaries", lambda tree: dispatched.append(tree) or original(tree))

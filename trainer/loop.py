@@ -9,7 +9,9 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import Checkpointer, Preempted, Workdir, format_mesh, layout_of
+from checkpointing import Checkpointer, Preempted, Workdir
+from checkpointing.config import format_mesh
+from checkpointing.inspection import layout_of
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
@@ -32,7 +34,7 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
     """Runs steps [start_step, end_step); `on_step(steps_done, state, loss)` runs after each (a
     Checkpointer's on_step) and returns a SaveEvent, or None when it did nothing worth reporting.
     `marks_wanted(steps_done)` (a Checkpointer's) says what the step computes for a save or a probe of
-    its output (checkpointing/marks.py); they reach on_step as `marks`.
+    its output (checkpointing/_src/marks.py); they reach on_step as `marks`.
 
     At the log cadence process 0 logs one progress line and writes its TensorBoard scalars, with the
     blocking time of the saves the events reported and the throughput. Every --eval_every_steps the

@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 import optax
 
-from checkpointing import compile_marks
+from checkpointing.inspection import compile_marks
 from trainer.state import KeyCodec, TrainState
 
 
@@ -77,7 +77,7 @@ class StepFn:
 
     @staticmethod
     def compile_marks(abstract_state, load_only: bool = False) -> str | None:
-        """Compiles (or loads, checkpointing/executables.py) the marks' fingerprints; the Checkpointer's
+        """Compiles (or loads, checkpointing/_src/executables.py) the marks' fingerprints; the Checkpointer's
         restores and unasked saves then use them too. Returns "disk" or "compiled" (None: load_only found none)."""
         return compile_marks(abstract_state, load_only=load_only)
 

@@ -3,7 +3,7 @@
 A run names its program in every manifest ("package.module:factory", the Checkpointer's `program`).
 The verifier imports the factory and calls it with the config the manifest recorded and the
 verifier's own mesh (axes 'data' and 'model'); it returns a checkpointing.ReplayProgram (checked here,
-at load, by checkpointing/replay.py's missing_members):
+at load, by checkpointing/_src/replay.py's missing_members):
 
     mesh            the mesh it was built on
     abstract_state  the state as ShapeDtypeStructs with this mesh's shardings (the restore target)
@@ -37,11 +37,11 @@ import importlib
 
 import jax
 
-from checkpointing import compare
-from checkpointing import marks as marks_lib
-from checkpointing import replay
+from checkpointing.verification import compare
+from checkpointing.verification import marks as marks_lib
+from checkpointing.verification import replay
 from checkpointing.errors import CorruptCheckpointError
-from checkpointing.input_state import read_input_states
+from checkpointing.verification import read_input_states
 from runtime.dispatch import blocks_each_step
 
 TRAINER_PROGRAM = "trainer.program:replay_program"

@@ -1,7 +1,7 @@
 """The proofs of one checkpoint, on the verifier's own mesh, read only (verifier/verifier.py runs them
 over a workdir and writes the verdicts).
 
-Proofs run forward, so that blame lands on the step that is wrong (levels: checkpointing/verdicts.py):
+Proofs run forward, so that blame lands on the step that is wrong (levels: checkpointing/_src/verdicts.py):
   intact      restore onto the verifier's mesh from an explicit abstract target: the manifest
               matches its digest, every fingerprint its leaf (checked by the service), every value
               is finite and the step counter is the step. Written at once (complete=false).
@@ -28,14 +28,14 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import compare
-from checkpointing import content
-from checkpointing import restore as restore_lib
-from checkpointing import verdicts
+from checkpointing.verification import compare
+from checkpointing.verification import content
+from checkpointing.verification import restore as restore_lib
+from checkpointing.verification import verdicts
 from checkpointing.errors import (CheckpointError, FingerprintMismatchError, StorageUnavailableError,
                                   TreeMismatchError)
-from checkpointing.service import CheckpointService
-from checkpointing.workdir import committed_steps, is_committed, read_manifest
+from checkpointing.verification import CheckpointService
+from checkpointing.verification import committed_steps, is_committed, read_manifest
 from runtime import collective
 from runtime import mesh as mesh_lib
 from verifier import faults
@@ -223,7 +223,7 @@ class StepProofs(ChainProofs):
                 verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
         if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
             self._anchor = Anchor(step, held.state, manifest["fixed_hash"], held.input_states)
-            if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/content.py)
+            if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/_src/content.py)
                 verdict["content_sha256"] = content.leaf_digests(held.state)
         return verdict
 
