@@ -11,3 +11,4 @@ from checkpointing._src.storage import check_workdir
 from checkpointing._src.verdicts import newest_proved_step
 from checkpointing._src.workdir import (committed_steps, expand_local_dir, metrics_file, read_manifest,
                                         tensorboard_dir)
+from checkpointing._src.input_state import read_input_states
