@@ -9,7 +9,7 @@ sides of a ratio are measured seconds apart; the variants run in an order rotate
 
   saves     sync_save: the service with async_save=False, save + wait;
             async_marked_save: the service as Checkpointer.on_step runs it at a step-cadence save:
-            the fingerprints came with the state (checkpointing/marking.py: on_step dispatches them
+            the fingerprints came with the state (checkpointing/_src/marking.py: on_step dispatches them
             as the state comes in; computed before the clock starts, as the step is), so save()
             dispatches nothing: save() blocking, save + wait until committed;
             async_save: the service dispatching the fingerprint pass itself (a time-based or

@@ -26,16 +26,16 @@ from absl import flags
 
 from benchmarks import common
 from benchmarks.checkpoint_state import LAYOUTS, STATE_GIB, abstract_state, random_state, shardings, state_bytes
-from checkpointing import content
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import marking
-from checkpointing import marks as marks_lib
-from checkpointing import manifest as manifest_lib
-from checkpointing import orbax_hooks
-from checkpointing import service as service_lib
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import content
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import marking
+from checkpointing._src import marks as marks_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import orbax_hooks
+from checkpointing._src import service as service_lib
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.config import CheckpointConfig
-from checkpointing.service import CheckpointService, RunMetadata
+from checkpointing._src.service import CheckpointService, RunMetadata
 from runtime import entry
 
 _VARIANT = flags.DEFINE_enum("variant", None, ["saves", "passes", "restores", "rss_service_save", "rss_orbax_save",
@@ -61,7 +61,7 @@ BLOCKING_PARTS = {
 PROBES = {name: common.CallProbe(*target) for name, target in BLOCKING_PARTS.items()}
 PROBES["fingerprint_readback"] = common.CallProbe(fingerprint_lib, "to_ints")  # by the background write
 PROBES["marks_readback"] = common.CallProbe(marks_lib, "fingerprint_ints")  # the step's, by the background write
-# The restore's check, where the service calls it (checkpointing/checks.py: the fingerprints, then the comparison).
+# The restore's check, where the service calls it (checkpointing/_src/checks.py: the fingerprints, then the comparison).
 PROBES["restore_fingerprint_check"] = common.CallProbe(service_lib, "check_fingerprints")
 
 
@@ -161,7 +161,7 @@ def timed_saves() -> dict[str, list[float]]:
 
 def passes() -> dict[str, list[float]]:
     """The fingerprint pass exactly as save() runs it (tree_fingerprints, then to_ints), the content digests a
-    proving verdict records and a trusting restore checks (checkpointing/content.py: sha256 of every leaf on
+    proving verdict records and a trusting restore checks (checkpointing/_src/content.py: sha256 of every leaf on
     the host), and one read of the state as their reference: a jitted sum over every leaf."""
     state = random_state()
     read = jax.jit(lambda tree: jax.tree.map(jnp.sum, tree), out_shardings=shardings("same")["step"])
@@ -187,7 +187,7 @@ def _step():
 
 
 def marks_of(state):
-    """The state's marks with its fingerprints, as Checkpointer.on_step dispatches them (checkpointing/marking.py)."""
+    """The state's marks with its fingerprints, as Checkpointer.on_step dispatches them (_src/marking.py)."""
     return marking.dispatch(state, fingerprints=True, summaries=False)
 
 
@@ -199,7 +199,7 @@ def marked_step(state, fingerprints: bool):
 
 def restore_target(layout: str) -> dict:
     """The abstract state of `layout`, with its save marks compiled: the trainer prepares them before its
-    restore (Checkpointer.prepare), whose check then dispatches them (checkpointing/marks.py)."""
+    restore (Checkpointer.prepare), whose check then dispatches them (checkpointing/_src/marks.py)."""
     target = abstract_state(layout)
     marks_lib.compile_marks(target)
     return target

@@ -3,7 +3,7 @@
   PYTHONPATH=. .venv/bin/python -m benchmarks.compile_bench [--models=mlp,transformer] [--samples=3] [--json_out=FILE]
 
 A relaunch compiles two executables before its first step: the step and the marks' fingerprints
-(checkpointing/marks.py; the restore's check needs them); the marks' summaries compile at the first
+(checkpointing/_src/marks.py; the restore's check needs them); the marks' summaries compile at the first
 probe. With the persistent compilation cache warm, each still costs a trace, a lowering and a load of
 the cached executable, in every process at every restart. Per model (the goodput benchmark's sizes:
 --num_layers=4, --hidden_dim=1024), a fresh process builds the trainer's program (trainer/program.py) on
@@ -13,7 +13,7 @@ of, in this order: the step (`StepFn.jitted`); `fingerprints` and `summaries`, m
 executables (Checkpointer.prepare compiles the first); and, as the baseline, `one_executable`: both in one jit
 of `step_marks` under `lax.cond` per part, what the trainer compiled before its restore until this
 benchmark; and `kept_fingerprints`: the fingerprints as the trainer now gets them (Checkpointer.prepare,
-checkpointing/executables.py: the executable the cold process kept, loaded; its load counts as the
+checkpointing/_src/executables.py: the executable the cold process kept, loaded; its load counts as the
 compile). Reported: the medians of each phase, and over the step's total: the restart's marks
 (fingerprints), kept, all the marks (fingerprints + summaries) and the one executable. Nothing is a test
 threshold; only the ratios are comparable between machines.
@@ -56,8 +56,8 @@ def measure_child() -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from checkpointing import executables
-    from checkpointing import marks as marks_lib
+    from checkpointing._src import executables
+    from checkpointing._src import marks as marks_lib
     from trainer import compile_cache
     from trainer import flags as trainer_flags
     from trainer.program import build_mesh, build_program, validate

@@ -34,7 +34,7 @@ from benchmarks import device_report
 from benchmarks.common import ROOT
 from benchmarks.verifier_pace import verifier_pace
 from benchmarks.verifier_scan import scan
-from checkpointing.workdir import step_dir, verdict_file
+from checkpointing._src.workdir import step_dir, verdict_file
 from runtime import entry
 
 PARTS = ("checkpoint", "goodput", "restart", "verifier")
@@ -98,7 +98,7 @@ def run(command: list[str], log_path: str, cpu: bool = False) -> str:
 
 def devices() -> dict:
     """What JAX finds, asked in a child (this process never holds the chip)."""
-    code = ("import json, jax; from checkpointing.platform_record import record; "
+    code = ("import json, jax; from checkpointing._src.platform_record import record; "
             "print(json.dumps({'count': jax.device_count(), **record()}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
                          timeout=_TIMEOUT.value, check=True)

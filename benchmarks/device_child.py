@@ -36,14 +36,14 @@ from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import CallProbe
-from checkpointing import manifest as manifest_lib
-from checkpointing import marking
-from checkpointing import marks as marks_lib
-from checkpointing import orbax_hooks
-from checkpointing import service as service_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import marking
+from checkpointing._src import marks as marks_lib
+from checkpointing._src import orbax_hooks
+from checkpointing._src import service as service_lib
 from checkpointing.config import CheckpointConfig
-from checkpointing.platform_record import record as platform_record
-from checkpointing.service import CheckpointService, RunMetadata
+from checkpointing._src.platform_record import record as platform_record
+from checkpointing._src.service import CheckpointService, RunMetadata
 from runtime import entry
 
 _STATE_GIB = flags.DEFINE_float("state_gib", 1.0, "Size of the float32 state, GiB.", lower_bound=1 / 1024)

@@ -7,8 +7,8 @@ import statistics
 import time
 
 from benchmarks.goodput_events import launch_events, variant_events
-from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import committed_steps
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.workdir import committed_steps
 from trainer.metrics import PHASES, parse_phases
 
 PREEMPTED_AT = re.compile(r"preempted at step (\d+)")

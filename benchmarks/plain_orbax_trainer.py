@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from absl import flags, logging  # noqa: E402
 
 from checkpointing import SaveEvent  # noqa: E402
-from checkpointing import workdir as workdir_lib  # noqa: E402
+from checkpointing._src import workdir as workdir_lib  # noqa: E402
 from runtime import exit_codes  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402

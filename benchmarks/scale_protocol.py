@@ -30,9 +30,9 @@ import sys
 import threading
 import time
 
-from checkpointing import lease as lease_lib
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import lease as lease_lib
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
 
 AUDITED = frozenset({"open", "os.listdir", "os.scandir", "os.rename", "os.link", "os.remove", "os.mkdir"})
 PIECES = {  # name -> who runs it: "primary" (process 0), "every" (each process), "reader" (one reader)
@@ -191,7 +191,7 @@ def make_workdir(workdir: str, steps: int, *, verified: int) -> None:
     on the first `verified` of them, as the verifier writes them (naming the manifest's digest)."""
     import jax.numpy as jnp
 
-    from checkpointing.service import CheckpointService, RunMetadata
+    from checkpointing._src.service import CheckpointService, RunMetadata
     from checkpointing.config import CheckpointConfig
 
     run = RunMetadata.of_run({"benchmark": "scale_sim"}, ["benchmark"], {"data": 1})

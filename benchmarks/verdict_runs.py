@@ -16,7 +16,9 @@ import signal
 import subprocess
 import sys
 
-from checkpointing import CheckpointConfig, Checkpointer, committed_steps, verdicts
+from checkpointing import CheckpointConfig, Checkpointer
+from checkpointing._src.workdir import committed_steps
+from checkpointing._src import verdicts
 from tests import helpers
 from tests.records_train import lm_flags
 from trainer import loop

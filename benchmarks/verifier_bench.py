@@ -48,7 +48,7 @@ from absl import app, flags, logging
 
 from benchmarks.verifier_pace import LEVELS, ratios, verifier_pace
 from benchmarks.verifier_scan import keep_for_diagnosis, scan, unproved
-from checkpointing.workdir import step_dir, verdict_file  # the workdir's layout, named once
+from checkpointing._src.workdir import step_dir, verdict_file  # the workdir's layout, named once
 
 _STEPS = flags.DEFINE_integer("steps", 80, "Training steps per run (80: ten commits, most of them after the "
                               "verifier's memory stopped growing).")
@@ -186,8 +186,8 @@ def run_once(run_dir: str, budget: str | None) -> dict:
 def restore_child(workdir: str) -> None:
     """In a subprocess with the verifier's devices: times plain restores of every step but the first (the warm-up)."""
     import dataclasses, gc, jax  # noqa: E401 (only this child imports jax)
-    from checkpointing.service import CheckpointService
-    from checkpointing.workdir import committed_steps, read_manifest
+    from checkpointing._src.service import CheckpointService
+    from checkpointing._src.workdir import committed_steps, read_manifest
     from trainer import model_config
     from trainer.program import build_mesh, build_program, validate
     steps = committed_steps(workdir)

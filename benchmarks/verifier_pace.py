@@ -17,7 +17,7 @@ def verifier_pace(commits: dict, complete: dict, train_steps_per_sec: float) -> 
             "replayed_over_trained": [replayed / last]}
 
 
-LEVELS = ("intact", "replayed", "resumes", "reproduced")  # checkpointing/verdicts.py's, in the order they prove
+LEVELS = ("intact", "replayed", "resumes", "reproduced")  # checkpointing/_src/verdicts.py's, in the order they prove
 
 
 def ratios(results: dict, restore: dict, budgets: list[str]) -> dict:

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 import time
 
-from checkpointing.workdir import probe_file, verdict_file
+from checkpointing._src.workdir import probe_file, verdict_file
 
 
 def scan(step_dir: str, verdict_dir: str, commits: dict, verdicts: dict, complete: dict) -> None:

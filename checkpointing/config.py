@@ -11,11 +11,11 @@ import os
 
 from runtime.mesh import format_mesh  # noqa: F401  (re-exported: checkpointing.format_mesh)
 
-AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/policy.py)
+AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/_src/policy.py)
 # --save_every_secs's default: `auto` when no step cadence is given (a run always saves), else off.
 BY_STEPS_OR_AUTO = "default"
 RESUME_NAMES = ("latest", "latest_verified", "none")
-PROBE_SUMMARIES = (AUTO, "device")  # --probe_summaries (checkpointing/probes.py)
+PROBE_SUMMARIES = (AUTO, "device")  # --probe_summaries (checkpointing/_src/probes.py)
 
 
 class ConfigError(ValueError):
@@ -96,7 +96,7 @@ class CheckpointConfig:
     keep_every_steps: int = option(0, "Steps that are multiples of this are kept forever; 0 disables.", minimum=0)
     async_save: bool = option(True, "Write checkpoints in the background; the step blocks only for the copy.")
     resume_from: str = option("latest", "latest | latest_verified | none (fresh; refuses a workdir with "
-                                        "checkpoints) | STEP (see checkpointing/restore.py).")
+                                        "checkpoints) | STEP (see checkpointing/_src/restore.py).")
     rollback: bool = option(False, "With --resume_from=STEP: a deliberate rollback; the committed steps newer "
                                    "than STEP and their verdicts are moved to superseded/ (never deleted). With "
                                    "--resume_from=none: every committed step moves there, and the run starts over.")

@@ -53,7 +53,7 @@ class CorruptCheckpointError(CheckpointError):
 
 
 class WorkdirLeasedError(BadCheckpointRequest):
-    """Another live writer holds the workdir's lease (checkpointing/lease.py); nothing was written."""
+    """Another live writer holds the workdir's lease (checkpointing/_src/lease.py); nothing was written."""
 
 
 class LeaseLostError(CheckpointError):

@@ -29,14 +29,14 @@ import time
 import psutil
 from absl import flags, logging
 
-from checkpointing import compare
-from checkpointing import manifest as manifest_lib
-from checkpointing import plot, plot_draw
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing.verification import compare
+from checkpointing.verification import manifest as manifest_lib
+from checkpointing.verification import plot, plot_draw
+from checkpointing.verification import verdicts
+from checkpointing.verification import workdir as workdir_lib
 from checkpointing.config import format_mesh, resolve_path
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.verification import recorded_losses
+from checkpointing.verification import committed_steps, read_manifest
 from runtime import entry, exit_codes
 from launch.outcomes import exit_line
 from trainer import models

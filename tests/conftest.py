@@ -44,7 +44,7 @@ def workdir(tmp_path):
 def no_job_id(monkeypatch):
     """No scheduler job id in this process's environment (nor, through helpers.subprocess_env, in the
     trainers it starts): with one, every trainer of a lease test would be "the same job"."""
-    from checkpointing import lease as lease_lib
+    from checkpointing._src import lease as lease_lib
 
     for name in lease_lib.JOB_ID_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -119,7 +119,7 @@ def stdlib_corpus(tmp_path_factory):
 @pytest.fixture
 def restored_steps(monkeypatch):
     """Every step CheckpointService.restore is asked for, in order (the real restore runs)."""
-    from checkpointing.service import CheckpointService  # noqa: PLC0415  (only the tests that ask load Orbax)
+    from checkpointing._src.service import CheckpointService  # noqa: PLC0415  (only the tests that ask load Orbax)
 
     restored, real_restore = [], CheckpointService.restore
     monkeypatch.setattr(CheckpointService, "restore", lambda self, step, *args, **kwargs: restored.append(step) or

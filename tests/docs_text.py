@@ -59,9 +59,11 @@ def help_flags(help_text: str) -> set[str]:
     return names | {f"no{name}" for name in booleans}
 
 
-def api_names(text: str) -> set[str]:
-    """Every `checkpointing` name docs/api.md lists: `Checkpointer`, `Checkpointer.on_step`, ..."""
-    names = set()
+def api_names(text: str) -> dict[str, str]:
+    """{name: module} of every name docs/api.md lists: a table headed `name` lists `checkpointing`'s
+    (`Checkpointer`, `Checkpointer.on_step`, ...), one headed by a module's name (`checkpointing.errors`)
+    that module's; and the names of every `from checkpointing import ...` of its code."""
+    names = {}
     header = None
     for line in text.splitlines():
         if not line.startswith("|"):
@@ -69,12 +71,13 @@ def api_names(text: str) -> set[str]:
             continue
         first = line.split("|")[1].strip()
         if header is None:
-            header = first
+            header = "checkpointing" if first == "name" else first.strip("`") if first.startswith("`checkpointing.") \
+                else ""
             continue
-        if header == "name" and not set(first) <= set("-: "):
-            names.update(re.findall(r"`([A-Za-z_]\w*(?:\.\w+)?)", first))
+        if header and not set(first) <= set("-: "):
+            names.update((name, header) for name in re.findall(r"`([A-Za-z_]\w*(?:\.\w+)?)", first))
     for parenthesized, line in re.findall(r"from checkpointing import (?:\(([^)]*)\)|([^\n]+))", text):
-        names.update(re.findall(r"\w+", parenthesized or line.split("#")[0]))
+        names.update((name, "checkpointing") for name in re.findall(r"\w+", parenthesized or line.split("#")[0]))
     return names
 
 

@@ -5,7 +5,7 @@
 Real GCS answers every media download with `x-goog-generation`; TensorStore reads an object's
 generation from it and rejects a read without it ("Malformed StorageGeneration"). Real GCS also
 refuses (412) a write or delete whose `ifGenerationMatch` is not the object's generation (0: the
-object must not exist); the workdir lease (checkpointing/lease.py) relies on that. The emulator
+object must not exist); the workdir lease (checkpointing/_src/lease.py) relies on that. The emulator
 (2026.7.19) does neither, so this wrapper adds both to its handlers and otherwise runs the
 emulator unchanged (in memory, one request at a time, so a check-then-write is atomic).
 """

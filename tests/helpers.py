@@ -117,7 +117,7 @@ def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
 
 def checkpoint_dir(workdir: str, name: str = "") -> str:
     """<workdir>/checkpoints[/name]: where Orbax keeps the steps of a run (name: a step or a tmp dir)."""
-    from checkpointing import workdir as workdir_lib
+    from checkpointing._src import workdir as workdir_lib
 
     return str(workdir_lib.checkpoints_dir(workdir) / name) if name else str(workdir_lib.checkpoints_dir(workdir))
 
@@ -152,14 +152,14 @@ def snapshot(path: str) -> dict[str, str] | None:
 
 def committed_snapshot(workdir: str) -> dict[int, dict[str, str]]:
     """Each committed step's files and their hashes."""
-    from checkpointing.workdir import committed_steps
+    from checkpointing._src.workdir import committed_steps
 
     return {step: snapshot(checkpoint_dir(workdir, str(step))) for step in committed_steps(workdir)}
 
 
 def assert_committed_intact(before: dict[int, dict[str, str]], workdir: str) -> None:
     """Every step committed `before` is still committed with the same bytes, or moved whole to superseded/."""
-    from checkpointing import workdir as workdir_lib
+    from checkpointing._src import workdir as workdir_lib
 
     now = committed_snapshot(workdir)
     superseded = str(workdir_lib.superseded_dir(workdir))
@@ -271,7 +271,7 @@ def run_in_process(main, *flag_args: str) -> subprocess.CompletedProcess:
 def open_service(config: TrainConfig, program):
     """The trainer's persistent tier for `config`, without a lease: for tests that save or restore one
     step directly (the trainer itself opens it through checkpointing.Checkpointer)."""
-    from checkpointing.service import CheckpointService, RunMetadata
+    from checkpointing._src.service import CheckpointService, RunMetadata
 
     run = RunMetadata.of_run(config.to_json(), model_config.fixed_names(config), dict(program.mesh.shape),
                              program="trainer.program:replay_program")

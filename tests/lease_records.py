@@ -6,10 +6,10 @@ import os
 import threading
 import time
 
-from checkpointing import lease as lease_lib
-from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import committed_steps
-from checkpointing.workdir import step_dir as step_path
+from checkpointing._src import lease as lease_lib
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.workdir import committed_steps
+from checkpointing._src.workdir import step_dir as step_path
 
 
 def files(root: str) -> dict[str, bytes]:

@@ -21,11 +21,11 @@ from absl import flags
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import local_tier
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import local_tier
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.config import CheckpointConfig
 from checkpointing.errors import CheckpointError
-from checkpointing.service import CheckpointService, RunMetadata
+from checkpointing._src.service import CheckpointService, RunMetadata
 from runtime import distributed, entry
 
 FLAGS = flags.FLAGS

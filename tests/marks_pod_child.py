@@ -23,9 +23,9 @@ def main(argv: list[str]) -> None:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from checkpointing import fingerprint as fingerprint_lib
-    from checkpointing import marks as marks_lib
-    from checkpointing import replicas
+    from checkpointing._src import fingerprint as fingerprint_lib
+    from checkpointing._src import marks as marks_lib
+    from checkpointing._src import replicas
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))  # 'data' spans the processes
     rng = np.random.default_rng(7)

@@ -13,7 +13,7 @@ def lm_flags(corpus: str, *, eval_every_steps: int = 8) -> list[str]:
 
 def eval_losses(workdir: str) -> dict[int, float]:
     """{step: eval_loss} from every committed manifest's extra.metrics."""
-    from checkpointing import committed_steps, read_manifest
+    from checkpointing._src.workdir import committed_steps, read_manifest
 
     found = {}
     for step in committed_steps(workdir):

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import manifest as manifest_lib
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
 from tests import helpers
 from trainer.program import build_mesh, build_program
 from verifier.verifier import Verifier, VerifierOptions
@@ -166,7 +166,7 @@ def copy_foreign_step(source_workdir: str, source_step: int, workdir: str, as_st
 
 
 # --- the red team's forgery: arrays that collide with the recorded fingerprints ----------------------
-# checkpointing/fingerprint.py: each element's word is w = fmix32(bits + index * 0x9E3779B9), a bijection,
+# checkpointing/_src/fingerprint.py: each element's word is w = fmix32(bits + index * 0x9E3779B9), a bijection,
 # and a leaf's lanes are sum(w) and sum(w * w) mod 2**32. Any new array keeps both lanes once three of its
 # elements are solved: one word w_a chosen, then y + z = t1 and y*y + z*z = t2, i.e. (2y - t1)**2 = 2 t2 - t1**2,
 # a square root mod 2**32 (Hensel lifting), and each word mapped back to bits through fmix32's inverse.

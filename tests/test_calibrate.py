@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-from checkpointing import compare
+from checkpointing._src import compare
 from tests import helpers
 from trainer import models
 from trainer.models import mlp

@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import workdir as workdir_lib
-from checkpointing.errors import (ConfigMismatchError, ManifestError, NoSuchCheckpointError,
-                                  TreeMismatchError)
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import workdir as workdir_lib
+from checkpointing.errors import ConfigMismatchError, ManifestError, NoSuchCheckpointError, TreeMismatchError
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers
 from trainer import models
 from trainer import loop

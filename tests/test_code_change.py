@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from checkpointing import verdicts
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import verdicts
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers
 
 

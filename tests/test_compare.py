@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import compare
+from checkpointing._src import compare
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

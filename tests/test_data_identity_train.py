@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from checkpointing import committed_steps, read_manifest, verdicts
+from checkpointing._src.workdir import committed_steps, read_manifest
+from checkpointing._src import verdicts
 from tests import helpers, records_util
 from tests.records_train import lm_flags
 from trainer import input as data_input

@@ -1,4 +1,4 @@
-"""Durable commits (issue 21, section 3; checkpointing/durable.py): the syscalls of a real save, a
+"""Durable commits (issue 21, section 3; checkpointing/_src/durable.py): the syscalls of a real save, a
 verdict write and a lease write, traced with strace, come in the order fsync the files, rename (or
 link), fsync the directory, and only then is the commit reported.
 
@@ -16,8 +16,8 @@ import textwrap
 import pytest
 from orbax.checkpoint._src.path import atomicity
 
-from checkpointing import orbax_hooks
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import orbax_hooks
+from checkpointing._src import workdir as workdir_lib
 from tests import helpers
 
 TRACED = "openat,write,fsync,fdatasync,rename,renameat,renameat2,link,linkat,mkdir,mkdirat"

@@ -1,4 +1,4 @@
-"""Kept executables (checkpointing/executables.py): a relaunch loads the save marks' fingerprints from local
+"""Kept executables (checkpointing/_src/executables.py): a relaunch loads the save marks' fingerprints from local
 disk instead of tracing, lowering and compiling them, and what it loads computes what a compile does, leaf
 by leaf. A file that is torn, foreign or for another layout is never loaded. Each launch is a fresh process,
 as a relaunch is."""

@@ -16,8 +16,8 @@ import subprocess
 import jax.numpy as jnp
 import pytest
 
-from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import committed_steps
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.workdir import committed_steps
 from runtime import exit_codes
 from launch.pod import free_port
 from tests import helpers

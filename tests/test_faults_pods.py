@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from checkpointing.workdir import committed_steps
+from checkpointing._src.workdir import committed_steps
 from launch.pod import free_port
 from runtime import exit_codes
 from tests import helpers

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from checkpointing import fingerprint as fingerprint_lib
+from checkpointing._src import fingerprint as fingerprint_lib
 from tests import helpers
 
 SHAPE = (16, 8)  # divisible by every mesh axis in helpers.MESHES

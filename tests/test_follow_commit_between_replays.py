@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from checkpointing import verdicts
+from checkpointing._src import verdicts
 from tests import helpers
 from tests.tamper import RUN
 from tests.verifier_recording import RecordingVerifier

@@ -23,9 +23,9 @@ def run(module, *flags, gcs_env, device_count=8):
 
 
 def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
-    from checkpointing import verdicts
-    from checkpointing.report import recorded_losses
-    from checkpointing.workdir import committed_steps
+    from checkpointing._src import verdicts
+    from checkpointing._src.report import recorded_losses
+    from checkpointing._src.workdir import committed_steps
 
     workdir = helpers.gs_workdir("run")
     result = run("trainer.train", f"--workdir={workdir}", "--steps=40", "--max_to_keep=2", *TRAIN, gcs_env=gcs_env)
@@ -65,8 +65,8 @@ def _uncommitted_steps(workdir: str) -> list[int]:
 
 
 def test_kill_9_during_an_async_save_on_gcs_never_lists_that_step_and_the_resume_is_exact(gcs_env, tmp_path):
-    from checkpointing.report import recorded_losses
-    from checkpointing.workdir import committed_steps
+    from checkpointing._src.report import recorded_losses
+    from checkpointing._src.workdir import committed_steps
 
     workdir = helpers.gs_workdir("killed")
     flags = [f"--workdir={workdir}", "--steps=60", "--max_to_keep=100", *TRAIN, "--hidden_dim=256"]
@@ -92,7 +92,7 @@ def test_kill_9_during_an_async_save_on_gcs_never_lists_that_step_and_the_resume
 
 
 def test_follow_verifier_over_gcs(gcs_env, tmp_path):
-    from checkpointing import verdicts
+    from checkpointing._src import verdicts
 
     workdir = helpers.gs_workdir("follow")
     with helpers.started_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",

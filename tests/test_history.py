@@ -12,10 +12,11 @@ import re
 
 import pytest
 
-from checkpointing import history, plot, plot_draw, read_history
-from checkpointing import workdir as workdir_lib
-from checkpointing.history import Attempt, parse_metrics
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import history, plot, plot_draw
+from checkpointing._src.history import read_history
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.history import Attempt, parse_metrics
+from checkpointing._src.workdir import committed_steps, read_manifest
 from launch import outcomes
 from tests import helpers
 from tests.test_metrics import read_scalars
@@ -162,7 +163,7 @@ def _save(workdir: str, step: int, losses: range, reason: str, mesh: dict, resum
     import jax.numpy as jnp
 
     from checkpointing.config import CheckpointConfig
-    from checkpointing.service import CheckpointService, RunMetadata
+    from checkpointing._src.service import CheckpointService, RunMetadata
 
     run = RunMetadata(config={"model": "test"}, fixed_fields={}, fixed_hash="test", mesh=mesh)
     service = CheckpointService(workdir, CheckpointConfig(max_to_keep=100), run=run)

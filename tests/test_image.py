@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from checkpointing import compare, verdicts
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import compare, verdicts
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps, read_manifest
 from runtime import exit_codes
 from tests import helpers, image
 from trainer import models

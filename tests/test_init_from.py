@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from checkpointing import FingerprintMismatchError, TreeMismatchError, restore_subtree, verdicts
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.errors import FingerprintMismatchError, TreeMismatchError
+from checkpointing import restore_subtree
+from checkpointing._src import verdicts
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers, tamper
 from trainer import loop, train
 from trainer.program import build_mesh, build_program
@@ -94,7 +96,7 @@ def test_init_from_a_step_that_is_not_committed_is_refused_with_one_line(trained
 
 def test_the_imported_params_are_checked_against_the_recorded_digest(trained_copy, tmp_path):
     """The verifier (and a fresh start) use an imported step only if it is the save the run recorded."""
-    from checkpointing.restore import fresh_state
+    from checkpointing._src.restore import fresh_state
     from checkpointing.errors import CorruptCheckpointError
 
     config = trained_copy(**SOURCE)

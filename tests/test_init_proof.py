@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
 from tests import helpers
 from tests.tamper import RUN_10, WIDE, rewrite_step
 from trainer import model_config

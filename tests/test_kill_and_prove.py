@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps
 from tests import helpers
 from trainer.config import TrainConfig
 from trainer.program import build_mesh, build_program, validate

@@ -75,14 +75,26 @@ def checkpointing_imports(path: pathlib.Path) -> list[str]:
     return found
 
 
-def test_the_trainer_reaches_checkpointing_only_through_its_public_names():
-    """trainer/ uses the service exactly as a user's loop does: `from checkpointing import <public name>`."""
+# The service's public modules, by who may use them: a loop (ours in trainer/, a user's in examples/) the
+# names of `checkpointing`, its config and errors, and what a workdir holds; our verifier and launchers also
+# what a verifier needs. checkpointing/_src/ is private to checkpointing (its own tests and benchmarks aside).
+LOOP_MODULES = {"module:checkpointing.config", "module:checkpointing.errors", "module:checkpointing.inspection"}
+PUBLIC_MODULES = {"trainer": LOOP_MODULES, "examples": LOOP_MODULES,
+                  "verifier": LOOP_MODULES | {"module:checkpointing.verification"},
+                  "launch": LOOP_MODULES | {"module:checkpointing.verification"}}
+
+
+def test_the_trainer_and_the_verifier_use_only_public_names():
+    """trainer/ uses the service exactly as a user's loop does (`checkpointing`'s names, its config, errors and
+    inspection), the verifier and launchers through `checkpointing.verification` too; none reaches _src/."""
     import checkpointing
 
-    wrong = [f"{path.relative_to(ROOT)}: {name}" for path in sorted((ROOT / "trainer").rglob("*.py"))
-             for name in checkpointing_imports(path) if name not in checkpointing.__all__]
-    assert not wrong, "trainer/ imports checkpointing internals:\n" + "\n".join(wrong)
+    wrong = [f"{path.relative_to(ROOT)}: {name}" for layer, allowed in PUBLIC_MODULES.items()
+             for path in sorted((ROOT / layer).rglob("*.py"))
+             for name in checkpointing_imports(path) if name not in set(checkpointing.__all__) | allowed]
+    assert not wrong, "imports of checkpointing internals:\n" + "\n".join(wrong)
     assert all(getattr(checkpointing, name) is not None for name in checkpointing.__all__)
+    assert len(checkpointing.__all__) <= 10, checkpointing.__all__
 
 
 def test_the_public_names_check_sees_an_internal_import(tmp_path):

@@ -1,4 +1,4 @@
-"""One writer per workdir: the lease's own rules (checkpointing/lease.py), in this process.
+"""One writer per workdir: the lease's own rules (checkpointing/_src/lease.py), in this process.
 
 Real trainers in real processes, where the process boundary is what is tested: test_lease_writers.py.
 """
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from checkpointing import lease as lease_lib
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import lease as lease_lib
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.errors import StepAlreadyCommittedError, WorkdirLeasedError
-from checkpointing.workdir import committed_steps
+from checkpointing._src.workdir import committed_steps
 from tests import helpers
 from tests.lease_records import committed_files, contend, files, write_record
 from trainer import loop

@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from checkpointing import lease as lease_lib
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import lease as lease_lib
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.errors import WorkdirLeasedError
-from checkpointing.workdir import committed_steps
+from checkpointing._src.workdir import committed_steps
 from tests import helpers
 from tests.lease_records import (committed_files, contend, files, last_line, lease_files, unchanged, wait_for,
                                  write_record)

@@ -1,4 +1,4 @@
-"""The local tier (checkpointing/local_tier.py): per-process copies on real disks, steps complete on every
+"""The local tier (checkpointing/_src/local_tier.py): per-process copies on real disks, steps complete on every
 process, restores only onto the layout that wrote them, damage on one process seen by all."""
 
 import glob
@@ -13,11 +13,11 @@ import pytest
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.config import ConfigError
 from checkpointing.errors import ManifestError
-from checkpointing.local_tier import LocalLayoutMismatchError
+from checkpointing._src.local_tier import LocalLayoutMismatchError
 from tests import helpers
 from tests import local_tier_driver as driver
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from checkpointing.workdir import committed_steps
+from checkpointing._src.workdir import committed_steps
 from tests import helpers
 from tests.test_pod import pod_command
 

@@ -17,10 +17,10 @@ import time
 import pytest
 import tensorstore as ts
 
-from checkpointing import workdir as workdir_lib
-from checkpointing.compare import compare_losses
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.compare import compare_losses
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps, read_manifest
 from runtime import exit_codes
 from tests import helpers
 from tests.test_pod import pod_command, trainer_pids

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import platform_record
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import platform_record
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.errors import CorruptCheckpointError, ManifestError
-from checkpointing.workdir import read_manifest
+from checkpointing._src.workdir import read_manifest
 
 
 _BUILD = dict(step=10, leaves={".w": {"shape": [2], "dtype": "float32"}}, fingerprints={".w": 7},

@@ -1,5 +1,5 @@
-"""Save marks (checkpointing/marks.py): on_step dispatches a state's fingerprints and probe summaries at the
-steps a save or a probe is certain (checkpointing/marking.py), and a save then dispatches no pass of its own.
+"""Save marks (checkpointing/_src/marks.py): on_step dispatches a state's fingerprints and probe summaries at the
+steps a save or a probe is certain (checkpointing/_src/marking.py), and a save then dispatches no pass of its own.
 Compared leaf by leaf with the separate passes; the steps marked are compared as whole lists; the loops' steps
 are checked through the manifests and probes they wrote."""
 
@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import CheckpointConfig, Checkpointer, FingerprintMismatchError, Preempted
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import marking
-from checkpointing import marks as marks_lib
-from checkpointing import probes
-from checkpointing.checks import check_fingerprints
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing import CheckpointConfig, Checkpointer, Preempted
+from checkpointing.errors import FingerprintMismatchError
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import marking
+from checkpointing._src import marks as marks_lib
+from checkpointing._src import probes
+from checkpointing._src.checks import check_fingerprints
+from checkpointing._src.workdir import committed_steps, read_manifest
 
 MESH = jax.make_mesh((4, 2), ("data", "model"))
 SHARDED, REPLICATED = NamedSharding(MESH, P("data", "model")), NamedSharding(MESH, P())
@@ -171,7 +172,7 @@ def test_a_save_not_known_ahead_takes_its_own_pass(workdir, counted):
 def test_a_state_held_in_host_memory_is_summarized_there_and_no_step_is_marked_for_summaries(workdir, counted,
                                                                                              monkeypatch):
     """--probe_summaries=auto (the default) on CPU devices of one process: the probes' summaries are taken on
-    the host (checkpointing/probes.py), so on_step never dispatches them and no summary pass runs; the
+    the host (checkpointing/_src/probes.py), so on_step never dispatches them and no summary pass runs; the
     values are host_summaries' of the state, and the device pass's up to float32 rounding."""
     dispatched, original = [], probes.leaf_summaries
     monkeypatch.setattr(probes, "leaf_summaries", lambda tree: dispatched.append(tree) or original(tree))

@@ -1,6 +1,6 @@
 """The save marks' fingerprints on a real 2 x 2 pod (127.0.0.1, gloo): leaves replicated over the processes
 are hashed half by each process, and the partial lanes meet in one all-reduce; the values are each leaf's
-fingerprint computed whole (checkpointing/marks.py)."""
+fingerprint computed whole (checkpointing/_src/marks.py)."""
 
 import pytest
 

@@ -11,10 +11,10 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-from checkpointing import workdir as workdir_lib
-from checkpointing import plot, verdicts
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src import plot, verdicts
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps
 from tests import helpers
 from trainer import event_files, loop, metrics
 

@@ -22,9 +22,10 @@ import time
 
 import pytest
 
-from checkpointing import committed_steps, verdicts
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import verdict_file
+from checkpointing._src.workdir import committed_steps
+from checkpointing._src import verdicts
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import verdict_file
 from tests import helpers
 
 pytestmark = [pytest.mark.chip, pytest.mark.slow]

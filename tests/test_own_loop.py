@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from checkpointing import compare, verdicts
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import compare, verdicts
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers
 
 STEPS = 200

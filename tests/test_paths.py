@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
 
-from checkpointing import CheckpointConfig, ConfigError, resolve_path
-from checkpointing.service import CheckpointService, RunMetadata
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing import CheckpointConfig, ConfigError
+from checkpointing.config import resolve_path
+from checkpointing._src.service import CheckpointService, RunMetadata
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers
 
 REFUSED = {"*", "?", "[", "\\", "\n", "\t", "\x7f"}

@@ -1,4 +1,4 @@
-"""The platform record (checkpointing/platform_record.py) and --matmul_precision: what every manifest
+"""The platform record (checkpointing/_src/platform_record.py) and --matmul_precision: what every manifest
 records about the hardware and numerics, the flag's way from the command line into the compiled step,
 the manifests and the verifier's replay, and runs saved before either existed.
 
@@ -13,13 +13,13 @@ import jax
 import pytest
 from absl import flags
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import platform_record, report
-from checkpointing import workdir as workdir_lib
-from checkpointing.checks import check_config_matches
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import platform_record, report
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.checks import check_config_matches
 from checkpointing.errors import ConfigMismatchError
-from checkpointing.run_metadata import RunMetadata
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src.run_metadata import RunMetadata
+from checkpointing._src.workdir import committed_steps, read_manifest
 from runtime import entry, exit_codes
 from tests import helpers
 from trainer import flags as trainer_flags
@@ -57,7 +57,7 @@ def test_a_save_records_the_precision_of_the_thread_that_called_it(workdir):
     import jax.numpy as jnp
 
     from checkpointing.config import CheckpointConfig
-    from checkpointing.service import CheckpointService
+    from checkpointing._src.service import CheckpointService
 
     run = RunMetadata(config={"model": "own"}, fixed_fields={}, fixed_hash="own", mesh={"data": 1})
     service = CheckpointService(workdir, CheckpointConfig(max_to_keep=10, async_save=True), run=run)

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import committed_steps
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.workdir import committed_steps
 from tests import helpers, tamper
 from verifier import evidence, layouts
 

@@ -11,8 +11,8 @@ import time
 import psutil
 import pytest
 
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps, read_manifest
 from runtime import exit_codes
 from launch.pod import pod_exit_code
 from tests import helpers
@@ -234,6 +234,6 @@ def test_sigterm_after_start_up_but_before_a_resumed_runs_first_step_still_preem
         finally:
             if launcher.poll() is None:
                 launcher.kill()
-    from checkpointing.workdir import read_manifest
+    from checkpointing._src.workdir import read_manifest
     newest = committed_steps(workdir)[-1]
     assert 20 < newest < 200 and read_manifest(workdir, newest)["reason"] == "preemption"

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from checkpointing.policy import (AutoInterval, SavePolicy, mean_time_between_interruptions, p90,
-                                  young_daly_interval)
+from checkpointing._src.policy import (AutoInterval, SavePolicy, mean_time_between_interruptions, p90,
+                                       young_daly_interval)
 
 
 class FakeClock:

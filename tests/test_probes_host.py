@@ -1,4 +1,4 @@
-"""Probe summaries taken on the host (checkpointing/probes.py host_summaries): where the state already lies in
+"""Probe summaries taken on the host (checkpointing/_src/probes.py host_summaries): where the state already lies in
 host memory, process 0 sums its own shards with NumPy instead of compiling and running a device pass.
 Compared leaf by leaf with float64 sums of the whole array and with the device pass; NaN and Inf stay
 non-finite; which layouts process 0 holds whole is decided from the shardings alone."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from checkpointing import probes
+from checkpointing._src import probes
 from checkpointing.errors import ManifestError
 
 MESHES = {"data=8": ((8, 1), ("data", "model")), "model=8": ((1, 8), ("data", "model")),

@@ -1,13 +1,13 @@
-"""Probe summaries in a pod (checkpointing/probes.py): process 0 sums the state on the host only where its
+"""Probe summaries in a pod (checkpointing/_src/probes.py): process 0 sums the state on the host only where its
 own devices hold every leaf whole (data parallelism over processes); a leaf split across processes takes
 the device pass, on every process alike (it is a collective: one process deciding otherwise would hang
 the pod). Either way the verifier's cheap proof of every save passes, on another layout."""
 
 import pytest
 
-from checkpointing import probes
-from checkpointing import verdicts
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import probes
+from checkpointing._src import verdicts
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests.test_pod import run_pod
 from verifier.verifier import Verifier, VerifierOptions
 

@@ -14,9 +14,9 @@ import re
 
 import pytest
 
-from checkpointing import reads
+from checkpointing._src import reads
 from checkpointing.errors import CorruptCheckpointError, StorageUnavailableError
-from checkpointing.workdir import committed_steps
+from checkpointing._src.workdir import committed_steps
 from tests import eio, helpers, tamper
 from trainer import loop
 

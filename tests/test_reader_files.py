@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import committed_steps
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.workdir import committed_steps
 from tests import helpers
 from tests.tamper import RUN
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from array_record.python import array_record_module
 
-from checkpointing import committed_steps, read_manifest, verdicts
+from checkpointing._src.workdir import committed_steps, read_manifest
+from checkpointing._src import verdicts
 from tests import helpers
 from tests.records_train import eval_losses, lm_flags
 from trainer import loop, model_config, train

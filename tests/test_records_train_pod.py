@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from checkpointing import committed_steps, verdicts
-from checkpointing.report import recorded_losses
+from checkpointing._src.workdir import committed_steps
+from checkpointing._src import verdicts
+from checkpointing._src.report import recorded_losses
 from tests import helpers
 from tests.records_train import eval_losses, lm_flags
 from tests.test_pod import pod_command, run_pod, trainer_pids, wait_for

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from checkpointing import ReplayProgram
-from checkpointing.replay import missing_members
+from checkpointing._src.replay import missing_members
 from tests import helpers
 from trainer.program import build_mesh, build_program
 from verifier.program import ProgramError, load

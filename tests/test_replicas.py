@@ -1,4 +1,4 @@
-"""Checks read each leaf once, not once per replica (checkpointing/replicas.py): the same values, a quarter
+"""Checks read each leaf once, not once per replica (checkpointing/_src/replicas.py): the same values, a quarter
 of the work per device on data=4,model=2, and no data moved between devices to get there."""
 
 import jax
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from checkpointing import compare, replicas
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import marks as marks_lib
+from checkpointing._src import compare, replicas
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import marks as marks_lib
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from checkpointing.workdir import committed_steps, read_manifest
-from checkpointing.workdir import step_dir
+from checkpointing._src.workdir import committed_steps, read_manifest
+from checkpointing._src.workdir import step_dir
 from tests import helpers
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_every_process_of_a_pod_loads_its_executables_from_the_cache_on_a_restar
     assert compiled == {0: "compiled", 1: "compiled"}
     warm, loaded = pod(6)
     assert set(warm) == {0, 1} and all(hits == lookups > 0 for hits, lookups in warm.values()), warm
-    assert loaded == {0: "disk", 1: "disk"}  # each process's own kept executable (checkpointing/executables.py)
+    assert loaded == {0: "disk", 1: "disk"}  # each process's own kept executable (checkpointing/_src/executables.py)
 
 
 def test_cache_dir_that_is_a_file_is_one_warning(tmp_path):

@@ -1,5 +1,5 @@
 """The cheap proof (verifier/resume_proof.py): the trainer records a probe a few steps after each save
-(checkpointing/probes.py), and the verifier replays those steps from the checkpoint. Seed 003's broken
+(checkpointing/_src/probes.py), and the verifier replays those steps from the checkpoint. Seed 003's broken
 resumes fail it: a restarted step index at once, zeroed moments one step late (and in the moments'
 norms), a sign-flipped moment in the sums; genuine steps pass on another layout, the wide mlp too."""
 
@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import probes
-from checkpointing import verdicts
-from checkpointing.workdir import read_manifest
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import probes
+from checkpointing._src import verdicts
+from checkpointing._src.workdir import read_manifest
 from tests import helpers
 from tests.tamper import RUN, WIDE, rewrite_step, zero_adam_moments
 from trainer import model_config

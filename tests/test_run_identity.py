@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
 from tests import helpers
 from tests.tamper import RUN, edit_manifest, rewrite_step, swap_adam_moments, verify_in_process
 

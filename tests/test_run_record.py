@@ -1,4 +1,4 @@
-"""The run's own record of its identity (<workdir>/run.json, checkpointing/run_record.py): written once at
+"""The run's own record of its identity (<workdir>/run.json, checkpointing/_src/run_record.py): written once at
 the run's first start and never rewritten, never written by the verifier; a relaunch that is another run
 is refused even before any step committed, and only a deliberate start over replaces it."""
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from checkpointing import run_record, verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import run_record, verdicts
+from checkpointing._src import workdir as workdir_lib
 from tests import helpers
 from tests.tamper import RUN, verify_in_process
 from verifier import identity

@@ -1,6 +1,6 @@
 """The per-step save decision and the restore precedence, in process, in milliseconds: a real small
-service on a real disk, an injected clock and a scripted preemption decision (checkpointing/saver.py,
-checkpointing/schedule.py, checkpointing/restore.py through the public Checkpointer)."""
+service on a real disk, an injected clock and a scripted preemption decision (checkpointing/_src/saver.py,
+checkpointing/_src/schedule.py, checkpointing/_src/restore.py through the public Checkpointer)."""
 
 import pathlib
 
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from checkpointing import CheckpointConfig, Checkpointer, Preempted
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import service as service_lib
-from checkpointing.report import recorded_losses
-from checkpointing.saver import Saver
-from checkpointing.schedule import SaveSchedule
-from checkpointing.service import CheckpointService, RunMetadata
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import service as service_lib
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.saver import Saver
+from checkpointing._src.schedule import SaveSchedule
+from checkpointing._src.service import CheckpointService, RunMetadata
+from checkpointing._src.workdir import committed_steps, read_manifest
 from runtime.watchdog import Watchdog
 
 MESH = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])

@@ -4,7 +4,7 @@ import inspect
 
 import orbax.checkpoint as ocp
 
-from checkpointing import orbax_hooks, workdir
+from checkpointing._src import orbax_hooks, workdir
 
 
 def test_json_handler_save_fn_is_the_hook_the_manifest_overrides():

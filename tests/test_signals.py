@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from checkpointing.errors import one_line_cause
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src.workdir import committed_steps, read_manifest
 from launch import pod as pod_lib
 from runtime import exit_codes
 from tests import helpers

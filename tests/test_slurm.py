@@ -21,9 +21,9 @@ import time
 
 import pytest
 
-from checkpointing import verdicts
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps
+from checkpointing._src import verdicts
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps
 from runtime import exit_codes
 from tests import helpers
 from tests.slurm_cluster import SlurmCluster, why_unavailable

@@ -14,9 +14,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import (CheckpointConfig, Checkpointer, InputStateError, committed_steps, read_input_states,
-                           verdicts)
-from checkpointing.report import recorded_losses
+from checkpointing import CheckpointConfig, Checkpointer
+from checkpointing.errors import InputStateError
+from checkpointing._src.workdir import committed_steps
+from checkpointing._src.input_state import read_input_states
+from checkpointing._src import verdicts
+from checkpointing._src.report import recorded_losses
 from examples import stateful_input_loop as example
 from tests import helpers
 
@@ -128,7 +131,7 @@ def test_a_two_process_pod_saves_a_state_per_process_and_one_verifier_replays_fr
 def test_the_iterator_state_is_saved_with_the_step_and_restored_by_name(tmp_path):
     """In-process, on a real saved step: the state Grain's handler wrote is the iterator's at that step;
     a restore sets a fresh iterator to it; another process count, or no iterator, is refused by name."""
-    from checkpointing import input_state
+    from checkpointing._src import input_state
 
     workdir = str(tmp_path / "run")
     mesh = jax.make_mesh((8,), ("data",))

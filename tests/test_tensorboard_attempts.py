@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from checkpointing import workdir as workdir_lib
-from checkpointing.history import parse_metrics
-from checkpointing.workdir import committed_steps
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.history import parse_metrics
+from checkpointing._src.workdir import committed_steps
 from runtime import exit_codes
 from tests import helpers
 from tests.test_metrics import read_events, tensorboard_losses

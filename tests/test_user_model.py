@@ -11,9 +11,9 @@ import time
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from checkpointing import compare, verdicts
-from checkpointing.report import recorded_losses
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import compare, verdicts
+from checkpointing._src.report import recorded_losses
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers
 from trainer import models, train
 from trainer.config import ConfigError

@@ -10,9 +10,9 @@ import os
 import jax.numpy as jnp
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing import reads, verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src import reads, verdicts
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.errors import CorruptCheckpointError, ManifestError, StorageUnavailableError
 from verifier import faults
 from verifier import program as program_lib

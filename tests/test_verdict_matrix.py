@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from benchmarks import verdict_runs
-from checkpointing import verdicts
+from checkpointing._src import verdicts
 from tests import faulty_loop, helpers, tamper
 from tests.tamper import KERNEL, MU_BIAS, RUN
 from trainer import loop

@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
 from checkpointing.errors import CheckpointError, ManifestError
 
 
@@ -128,7 +128,7 @@ def test_summary_is_what_inspect_shows():
 
 
 def test_the_plot_colours_every_status_and_inconclusive_and_error_apart_from_pass_and_fail():
-    from checkpointing import plot
+    from checkpointing._src import plot
 
     colours = {status: plot.colour_of(verdict(10, status=status)) for status in verdicts.STATUSES}
     assert len({colours["pass"], colours["fail"], colours["inconclusive"], colours["error"]}) == 4, colours

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from checkpointing import verdicts
-from checkpointing import workdir as workdir_lib
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing._src import verdicts
+from checkpointing._src import workdir as workdir_lib
+from checkpointing._src.workdir import committed_steps, read_manifest
 from tests import helpers
 from tests.tamper import (RUN, RUN_10, flip_one_bit, rewrite_step, swap_adam_moments, truncate_data_files,
                           verify_in_process)
@@ -167,7 +167,7 @@ def test_resume_from_latest_verified_skips_a_failed_step_and_keeps_it(workdir, t
 
 @pytest.mark.parametrize("resume_from", ["latest_verified", "latest"])
 def test_a_proved_step_whose_content_is_not_what_its_verdict_proved_is_not_resumed(workdir, trained, resume_from):
-    """Each proving verdict records its leaves' sha256 (checkpointing/content.py); a step whose arrays are no
+    """Each proving verdict records its leaves' sha256 (checkpointing/_src/content.py); a step whose arrays are no
     longer that content (here: the verdict's record of one leaf changed, as arrays edited after the proof
     would be seen) is refused by a resume that trusts its verdict, and set aside."""
     found = verify_in_process(workdir)

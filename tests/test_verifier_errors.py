@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from checkpointing import verdicts
+from checkpointing._src import verdicts
 from tests import eio, helpers
 from tests.tamper import RUN
 

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from checkpointing import manifest as manifest_lib
-from checkpointing.workdir import read_manifest
+from checkpointing._src import manifest as manifest_lib
+from checkpointing._src.workdir import read_manifest
 from tests import helpers
 from tests.tamper import (KERNEL, MU_KERNEL, RUN, RUN_40, change_step_counter, edit_manifest, flip_one_bit,
                           nan_in_one_leaf, perturb_params, rewrite_step, swap_adam_moments, swap_same_shaped_leaves,

@@ -6,7 +6,7 @@ import os
 
 import orbax.checkpoint as ocp
 
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import workdir as workdir_lib
 
 
 def test_the_local_listing_is_orbaxs_for_every_kind_of_entry(tmp_path):

@@ -1,7 +1,7 @@
 """python -m trainer.train with its workdir reads counted, for tests/test_workdir_reads.py.
 
 Counts each listing of a checkpoints directory and each manifest read that reaches the storage
-(checkpointing/workdir.py's two primitives), and writes the counts to $READS_OUT when the first step
+(checkpointing/_src/workdir.py's two primitives), and writes the counts to $READS_OUT when the first step
 is dispatched: the start-up is over. On gs:// it then asks for the object `<workdir>/startup-over`,
 so the server's request log shows where the start-up ended.
 """
@@ -12,7 +12,7 @@ import os
 
 from etils import epath
 
-from checkpointing import workdir as workdir_lib
+from checkpointing._src import workdir as workdir_lib
 from runtime import entry
 from trainer import loop, train
 

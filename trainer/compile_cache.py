@@ -17,7 +17,7 @@ import warnings
 import jax
 from absl import logging
 
-from checkpointing import one_line_cause
+from checkpointing.errors import one_line_cause
 
 _HITS, _LOOKUPS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/compile_requests_use_cache"
 _counts = {_HITS: 0, _LOOKUPS: 0}

@@ -17,7 +17,8 @@ import dataclasses
 import os
 import tempfile
 
-from checkpointing import CheckpointConfig, ConfigError, option
+from checkpointing import CheckpointConfig, ConfigError
+from checkpointing.config import option
 from runtime import mesh as mesh_lib
 
 MESH_AXES = mesh_lib.AXES

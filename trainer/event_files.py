@@ -32,7 +32,8 @@ import time
 from absl import logging
 from etils import epath
 
-from checkpointing import one_line_cause, tensorboard_dir
+from checkpointing.errors import one_line_cause
+from checkpointing.inspection import tensorboard_dir
 
 EVAL_PREFIX = "eval/"  # the eval of a step: scalars RunMetrics.report_eval writes
 UPLOAD_EVERY_SECS = 60.0

@@ -14,7 +14,8 @@ import sys
 
 from absl import flags
 
-from checkpointing import CheckpointConfig, parse_save_every_secs
+from checkpointing import CheckpointConfig
+from checkpointing.config import parse_save_every_secs
 from trainer import model_config, models
 from trainer.config import ConfigError, TrainConfig, parse_mesh
 

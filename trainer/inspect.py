@@ -1,14 +1,14 @@
 """python -m trainer.inspect --workdir=DIR [--losses | --evals] [--plot=run.png|run.svg [--reference=DIR]]
 
 Lists the committed steps of a workdir (size, mesh, processes, time, reason, loss range, the
-verifier's verdict); with --losses prints the run's whole loss history (checkpointing/history.py:
+verifier's verdict); with --losses prints the run's whole loss history (checkpointing/_src/history.py:
 every attempt's metrics.jsonl and the committed manifests, whatever retention deleted, the latest
 attempt's value of each step) as one JSON object {"<step>": loss}, so a script can compare two
 runs; --evals prints the eval numbers the same way ({"<step>": {"eval_loss": ...}}); with --plot
 draws the history against the step (each attempt shaded by layout, checkpoints coloured by verdict,
 preemptions, crashes, resumes, eval losses; with --reference that run's loss and a second panel of
 each step's relative difference to it against the model's tolerance) into that file and prints its
-path (checkpointing/plot.py). Apart from that picture it never writes or deletes.
+path (checkpointing/_src/plot.py). Apart from that picture it never writes or deletes.
 Exit 0; 1 if the storage does not answer within --storage_timeout_secs or
 a checkpoint cannot be read; 2 if the workdir is missing or not a directory.
 """
@@ -19,8 +19,10 @@ import sys
 
 from absl import flags
 
-from checkpointing import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table, plot_series,
-                           proof_series, read_history, read_manifest, reference_loss, resolve_path, table_rows)
+from checkpointing.inspection import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table,
+                                      plot_series, proof_series, read_history, read_manifest, reference_loss,
+                                      table_rows)
+from checkpointing.config import resolve_path
 from runtime import entry
 from trainer import models
 

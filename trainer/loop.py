@@ -8,7 +8,9 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import Checkpointer, Preempted, Workdir, format_mesh, layout_of
+from checkpointing import Checkpointer, Preempted, Workdir
+from checkpointing.config import format_mesh
+from checkpointing.inspection import layout_of
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib

@@ -3,7 +3,7 @@ to `metrics.jsonl` (process 0, local workdirs), each line tagged with this attem
 TensorBoard's event file (trainer/event_files.py) at the same time.
 
 The file's format, and how a run's history is read back across attempts and retention, is
-checkpointing/history.py's (docs/training.md#step-numbering).
+checkpointing/_src/history.py's (docs/training.md#step-numbering).
 """
 
 import json
@@ -12,7 +12,8 @@ import os
 import jax
 from absl import logging
 
-from checkpointing import attempt_record, last_attempt_id, metrics_file, one_line_cause
+from checkpointing.inspection import attempt_record, last_attempt_id, metrics_file
+from checkpointing.errors import one_line_cause
 from trainer.metrics import RunMetrics
 
 

@@ -11,7 +11,8 @@ import time
 import psutil
 from absl import logging
 
-from checkpointing import committed_steps, newest_proved_step, one_line_cause, read_manifest
+from checkpointing.inspection import committed_steps, newest_proved_step, read_manifest
+from checkpointing.errors import one_line_cause
 from trainer.event_files import EVAL_PREFIX, EventWriter
 
 PHASES = ("process_start", "distributed_start", "open", "compile", "restore", "first_step")

@@ -18,7 +18,8 @@ from typing import Any, Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from checkpointing import check_fields, expand_local_dir, resolve_path
+from checkpointing.config import check_fields, resolve_path
+from checkpointing.inspection import expand_local_dir
 from runtime import mesh as mesh_lib
 from trainer import code as code_lib, data, model_config, models, state as state_lib, step as step_lib
 from trainer.config import ConfigError, TrainConfig, check_mesh, check_training_fields, validate_workdir

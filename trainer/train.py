@@ -15,7 +15,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from checkpointing import check_workdir  # noqa: E402
+from checkpointing.inspection import check_workdir  # noqa: E402
 from runtime import entry  # noqa: E402
 from trainer import compile_cache  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402

@@ -12,14 +12,14 @@ from typing import Callable
 import jax
 from absl import logging
 
-from checkpointing import compare
-from checkpointing import content
-from checkpointing import manifest as manifest_lib
-from checkpointing import restore as restore_lib
-from checkpointing import verdicts
+from checkpointing.verification import compare
+from checkpointing.verification import content
+from checkpointing.verification import manifest as manifest_lib
+from checkpointing.verification import restore as restore_lib
+from checkpointing.verification import verdicts
 from checkpointing.errors import CheckpointError, CorruptCheckpointError
 from runtime import collective
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.verification import committed_steps, read_manifest
 from verifier import evidence
 from verifier import identity
 from verifier import layouts
@@ -173,7 +173,7 @@ class ChainProver:
                                                     run.get("init_from")), fixed_hash)
 
     def _check_proved_content(self, step: int, manifest: dict, state) -> None:
-        """A proved step restored from disk must hold the content its verdict proved (checkpointing/content.py):
+        """A proved step restored from disk must hold the content its verdict proved (checkpointing/_src/content.py):
         arrays edited since, the manifest untouched, pass the fingerprints but never anchor a proof. Its verdict
         is replaced by the failure (evidence: the step on disk is not the one proved)."""
         verdict = verdicts.for_save(self._options.workdir, step, manifest.get("digest")) or {}

@@ -5,7 +5,7 @@ committed step) is too costly to repeat every few milliseconds, so the verifier 
 backoff (--poll_secs doubling up to --max_poll_secs) and a new commit's first verdict waited for
 most of it. On a local disk an Orbax commit is a rename of `checkpoints/<step>.orbax-checkpoint-tmp-*`
 to `checkpoints/<step>`, which changes the mtime (and on most filesystems the ctime or size) of
-`checkpoints/`; a probe (checkpointing/probes.py, what a save's complete verdict waits for) lands
+`checkpoints/`; a probe (checkpointing/_src/probes.py, what a save's complete verdict waits for) lands
 by a rename into `probes/` the same way. So the idle verifier stats those two directories every
 TICK_SECS and lists again as soon as either changed, or when the backoff delay ends: the backoff
 stays the fallback for a change the signature cannot show. A gs:// workdir has no directory
@@ -20,8 +20,8 @@ import os
 import threading
 import time
 
-from checkpointing import durable
-from checkpointing import workdir as workdir_lib
+from checkpointing.verification import durable
+from checkpointing.verification import workdir as workdir_lib
 
 TICK_SECS = 0.015  # one stat per directory per tick: a commit is noticed within about this long
 # A timestamp is only as fine as the filesystem's clock (a kernel tick on ext4, 2 s on FAT): a second

@@ -9,8 +9,8 @@ from typing import Callable
 
 from absl import logging
 
-from checkpointing.service import CheckpointService
-from checkpointing.workdir import committed_steps
+from checkpointing.verification import CheckpointService
+from checkpointing.verification import committed_steps
 from runtime import mesh as mesh_lib
 from verifier import identity
 from verifier import layouts

@@ -29,7 +29,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from checkpointing.compare import leaf_differences, relative_difference
+from checkpointing.verification import leaf_differences, relative_difference
 from runtime.dispatch import blocks_each_step
 from trainer import model_config
 from trainer.config import TrainConfig

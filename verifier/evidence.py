@@ -85,7 +85,7 @@ class Judgement:
         return "pass" if self.deciding else "inconclusive"
 
     def as_record(self) -> dict:
-        """What a verdict keeps of it (checkpointing/verdicts.py `evidence`)."""
+        """What a verdict keeps of it (checkpointing/_src/verdicts.py `evidence`)."""
         ratio = self.findings[0].ratio if self.findings else self.largest
         return {"ratio": ratio if math.isfinite(ratio) else None, "margin": MARGIN, "deciding": self.deciding,
                 "chaotic": self.chaotic, "replays": self.replays}
@@ -101,7 +101,7 @@ class Judgement:
 
 def exact(mismatch) -> Judgement:
     """The judgement of a bit-exact comparison (the recording layout and platform): any difference is evidence.
-    `mismatch`: checkpointing.compare.Mismatch or None."""
+    `mismatch`: checkpointing._src.compare.Mismatch or None."""
     if mismatch is None:
         return Judgement(deciding=1)
     return Judgement([Finding(mismatch.kind, mismatch.where, mismatch.expected, mismatch.actual, math.inf,

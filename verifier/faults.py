@@ -4,8 +4,8 @@ checkpoint's fail). The one place that split is made (verifier/proofs.py and ver
 
 Evidence, from the step's own files:
   - its manifest damaged: not JSON, the schema, its digest, a `step` other than its directory's, a file
-    of it missing (ManifestError, CorruptCheckpointError from checkpointing/workdir.py read_manifest)
-  - an array file truncated or missing (CorruptCheckpointError from checkpointing/reads.py, or an OSError
+    of it missing (ManifestError, CorruptCheckpointError from checkpointing/_src/workdir.py read_manifest)
+  - an array file truncated or missing (CorruptCheckpointError from checkpointing/_src/reads.py, or an OSError
     whose cause is the data itself)
   - a leaf's fingerprint, or the tree, other than the manifest's (FingerprintMismatchError, TreeMismatchError)
   - and, without an exception: a step that is not this run's (verifier/identity.py), a wrong counter or a
@@ -13,7 +13,7 @@ Evidence, from the step's own files:
 A fault of the verifier, everything else:
   - the run's program cannot be imported, or its factory raises on the recorded config (ProgramError)
   - out of memory (XLA's RESOURCE_EXHAUSTED), too few devices for a mesh
-  - the storage still failing after its retries (StorageUnavailableError: checkpointing/reads.py)
+  - the storage still failing after its retries (StorageUnavailableError: checkpointing/_src/reads.py)
   - any unexpected exception in the verifier's own code.
 An exception out of a replay is never evidence: the step restored intact before it, and whatever a replay
 decides comes back as a verdict; an exception there is about something else (an anchor, memory, storage).

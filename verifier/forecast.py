@@ -23,7 +23,7 @@ import time
 from absl import logging
 
 from checkpointing.errors import CheckpointError
-from checkpointing.workdir import read_manifest
+from checkpointing.verification import read_manifest
 from verifier.commit_watch import CommitWatch, next_commit_window
 from verifier.write_progress import WriteProgress
 

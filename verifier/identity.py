@@ -2,7 +2,7 @@
 
 The run's identity (its fixed config, the fields and their hash; its program; the init_from it started
 from) comes from the run's own record, `<workdir>/run.json`, written once at its first start
-(checkpointing/run_record.py). A workdir from before that record has none: its identity is then the one
+(checkpointing/_src/run_record.py). A workdir from before that record has none: its identity is then the one
 most of its committed, consistent manifests share (consistent: the config's fixed fields are the recorded
 fixed_fields and hash to the fixed_hash); a tie goes to the identity of the newest such step, the run a
 relaunch continues (the trainer checks a relaunch's config against its newest step). Either way a foreign
@@ -18,15 +18,15 @@ from collections import Counter
 
 from absl import logging
 
-from checkpointing import run_record
+from checkpointing.verification import run_record
 from checkpointing.errors import CheckpointError, ManifestError
-from checkpointing.workdir import read_manifest
+from checkpointing.verification import read_manifest
 
 RECORD = "the run's record (run.json)"
 
 
 def fixed_hash(fixed_fields: dict) -> str:
-    """The hash a manifest records for its fixed fields (checkpointing/run_metadata.py RunMetadata.of_run)."""
+    """The hash a manifest records for its fixed fields (checkpointing/_src/run_metadata.py RunMetadata.of_run)."""
     return hashlib.sha256(json.dumps(fixed_fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

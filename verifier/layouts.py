@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from checkpointing import compare
+from checkpointing.verification import compare
 from runtime import mesh as mesh_lib
 from verifier import evidence
 

@@ -3,7 +3,7 @@ it will not try again, which it must redo (--reverify), and the line it exits wi
 
 - A complete verdict for the step's save (its manifest digest) is never redone, unless --reverify names
   the step; then once per process, and the old verdict stays until a complete new one replaces it
-  (checkpointing/verdicts.py write).
+  (checkpointing/_src/verdicts.py write).
 - An `error` (a fault of the verifier, verifier/faults.py) is written incomplete, so the next verifier run
   retries the step; this process does not (under --follow no step is retried in a loop), unless the step
   is saved again (another digest).
@@ -13,7 +13,7 @@ it will not try again, which it must redo (--reverify), and the line it exits wi
 
 from absl import logging
 
-from checkpointing import verdicts
+from checkpointing.verification import verdicts
 from checkpointing.errors import CheckpointError
 from verifier.faults import VerdictWriteError
 

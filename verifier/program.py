@@ -3,7 +3,7 @@
 A run names its program in every manifest ("package.module:factory", the Checkpointer's `program`).
 The verifier imports the factory and calls it with the config the manifest recorded and the
 verifier's own mesh (axes 'data' and 'model'); it returns a checkpointing.ReplayProgram (checked here,
-at load, by checkpointing/replay.py's missing_members):
+at load, by checkpointing/_src/replay.py's missing_members):
 
     mesh            the mesh it was built on
     abstract_state  the state as ShapeDtypeStructs with this mesh's shardings (the restore target)
@@ -34,11 +34,11 @@ import importlib
 
 import jax
 
-from checkpointing import compare
-from checkpointing import marking
-from checkpointing import replay
+from checkpointing.verification import compare
+from checkpointing.verification import marking
+from checkpointing.verification import replay
 from checkpointing.errors import CorruptCheckpointError
-from checkpointing.input_state import read_input_states
+from checkpointing.verification import read_input_states
 from runtime.dispatch import blocks_each_step
 
 TRAINER_PROGRAM = "trainer.program:replay_program"
@@ -176,6 +176,6 @@ def replay_losses(program, state, start_step: int, num_steps: int, batches=None)
 
 def replay_marked_step(program, state, step: int, batches=None):
     """Runs step `step`, then its output's probe summaries as the trainer's on_step took them, with the save
-    marks' own executable (checkpointing/marking.py); returns (state, loss, {key path: [sum, norm]})."""
+    marks' own executable (checkpointing/_src/marking.py); returns (state, loss, {key path: [sum, norm]})."""
     state, loss = program.step_fn(state, next(batches) if batches is not None else program.batch_fn(step))
     return state, float(jax.device_get(loss)), marking.summaries_of(state)

@@ -1,7 +1,7 @@
 """The proofs of one checkpoint, on the verifier's own mesh, read only (verifier/verifier.py runs them
 over a workdir and writes the verdicts).
 
-Proofs run forward, so that blame lands on the step that is wrong (levels: checkpointing/verdicts.py):
+Proofs run forward, so that blame lands on the step that is wrong (levels: checkpointing/_src/verdicts.py):
   intact      restore onto the verifier's mesh from an explicit abstract target: the manifest
               matches its digest, every fingerprint its leaf (checked by the service), every value
               is finite and the step counter is the step. Written at once (complete=false).
@@ -28,13 +28,13 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import compare
-from checkpointing import content
-from checkpointing import restore as restore_lib
-from checkpointing import verdicts
+from checkpointing.verification import compare
+from checkpointing.verification import content
+from checkpointing.verification import restore as restore_lib
+from checkpointing.verification import verdicts
 from checkpointing.errors import (CheckpointError, FingerprintMismatchError, StorageUnavailableError,
                                   TreeMismatchError)
-from checkpointing.workdir import is_committed, read_manifest
+from checkpointing.verification import is_committed, read_manifest
 from runtime import collective
 from verifier import faults
 from verifier import identity
@@ -163,7 +163,7 @@ class StepProver:
                 verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
         if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
             self._chain.proved(Anchor(step, held.state, manifest["fixed_hash"], held.input_states))
-            if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/content.py)
+            if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/_src/content.py)
                 verdict["content_sha256"] = content.leaf_digests(held.state)
         return verdict
 
@@ -191,7 +191,7 @@ class StepProver:
 
     def verdict(self, step, manifest, level, status, detail, durations, *, complete=True, mismatch=None,
                 max_difference=None, replayed_from=None, replayed=0, compared=0, judgement=None) -> dict:
-        """Every verdict's one shape (checkpointing/verdicts.py): the chain's are built here too."""
+        """Every verdict's one shape (checkpointing/_src/verdicts.py): the chain's are built here too."""
         return verdicts.make(step=step, level=level, status=status, complete=complete, detail=detail,
                              mismatch=mismatch, checkpoint_mesh=manifest.get("mesh", {}),
                              verifier_mesh=self._context.mesh_shape(), durations_secs=durations,

@@ -1,7 +1,7 @@
 """The cheap proof: the checkpoint resumes the run it came from.
 
 The trainer recorded, k steps after the save of S, the losses of steps S .. S+k-1 and each leaf's sum
-and norm at S+k (checkpointing/probes.py). Replaying those k steps from the restored checkpoint must
+and norm at S+k (checkpointing/_src/probes.py). Replaying those k steps from the restored checkpoint must
 give them back: bit-exact on the layout and platform that recorded the probe; elsewhere within MARGIN
 times the noise of a layout change, measured by replaying the same k steps on the verifier's other
 layouts (verifier/evidence.py). It costs k steps (twice, across layouts) whatever the save interval, so
@@ -15,10 +15,10 @@ from typing import Callable, Iterable
 
 import jax
 
-from checkpointing import compare
-from checkpointing import probes
+from checkpointing.verification import compare
+from checkpointing.verification import probes
 from checkpointing.errors import CheckpointError
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.verification import committed_steps, read_manifest
 from runtime import collective
 from verifier import evidence
 from verifier import layouts

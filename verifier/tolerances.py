@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 
-from checkpointing.compare import leaf_differences
+from checkpointing.verification import leaf_differences
 
 NOISE_RATIO = 1e-5  # RMS of a leaf's Adam mu below this fraction of the largest: noise-driven
 NOISE_FACTOR = 4.0  # measured up to 1.6x its movement across the four 8-device meshes

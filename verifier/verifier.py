@@ -23,9 +23,9 @@ import time
 import jax
 from absl import logging
 
-from checkpointing import durable, verdicts
+from checkpointing.verification import durable, verdicts
 from checkpointing.errors import CheckpointError
-from checkpointing.workdir import committed_steps, read_manifest
+from checkpointing.verification import committed_steps, read_manifest
 from runtime import collective
 from verifier import program as program_lib
 from verifier.commit_watch import CommitWatch

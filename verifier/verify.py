@@ -19,9 +19,9 @@ import threading
 import jax
 from absl import flags, logging
 
-from checkpointing.workdir import committed_steps
+from checkpointing.verification import committed_steps
 from checkpointing.errors import VerificationFailedError
-from checkpointing.storage import check_workdir
+from checkpointing.verification import check_workdir
 from runtime import distributed, entry, exit_codes
 from runtime import mesh as mesh_lib
 from checkpointing.config import ConfigError

@@ -124,7 +124,7 @@ def jobset(name: str, namespace: str, image: str, workdir: str, accelerator: str
     trainer = {"name": TRAINER_CONTAINER, "image": image,
                "args": ["train", f"--workdir={workdir}", *trainer_args],
                # The workdir lease's job id: a restarted JobSet's pods wait for the old pods' lease
-               # to expire instead of being refused (checkpointing/lease.py).
+               # to expire instead of being refused (checkpointing/_src/lease.py).
                "env": [{"name": "JOB_ID", "value": f"{namespace}/{name}"}],
                "resources": {"requests": tpus, "limits": tpus}}
     return {

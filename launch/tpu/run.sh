@@ -100,7 +100,7 @@ curl="curl -sf -H Metadata-Flavor:Google"
 # JAX reads TPU_WORKER_ID whenever TPU_WORKER_HOSTNAMES is set; the endpoints are either hostnames
 # or name:id:ip triples, and the sed keeps the last field of each. JOB_ID is the workdir lease's
 # job id: a restart of this TPU job waits for the old lease to expire instead of being refused
-# (checkpointing/lease.py).
+# (checkpointing/_src/lease.py).
 pod_env="set -o pipefail && TPU_WORKER_ID=\$($curl $metadata/agent-worker-number) && \
 TPU_WORKER_HOSTNAMES=\$($curl $metadata/worker-network-endpoints | sed \"s/[^,]*://g\") && \
 JOB_ID=$(quote "$TPU_NAME") && export TPU_WORKER_ID TPU_WORKER_HOSTNAMES JOB_ID"
