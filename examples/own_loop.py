@@ -75,7 +75,6 @@ def main(argv):
         state = start.state
         for step in range(start.step, args.steps):
             state, loss = program.step_fn(state, program.batch_fn(step))
-            loss.block_until_ready()  # CPU meshes: one step at a time (runtime/dispatch.py)
             checkpointer.on_step(step + 1, state, loss)
 
 

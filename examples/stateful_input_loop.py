@@ -124,7 +124,6 @@ def main(argv):
             batch = {name: jax.make_array_from_process_local_data(program.batch_sharding, value)
                      for name, value in local.items()}
             state, loss = program.step_fn(state, batch)
-            loss.block_until_ready()  # CPU meshes: one step at a time (runtime/dispatch.py)
             checkpointer.on_step(step + 1, state, loss)
 
 

@@ -95,5 +95,4 @@ def train(config: TrainConfig, fault: Fault = Fault()) -> None:
             state = tree_like(stepped, program.abstract_state)
             if fault.kind == "corrupt" and step + 1 == fault.at_step:
                 state = corrupted(fault, state)
-            loss.block_until_ready()  # CPU meshes: one step at a time (runtime/dispatch.py)
             checkpointer.on_step(step + 1, state, loss)

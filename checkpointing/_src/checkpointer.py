@@ -19,13 +19,11 @@ race the next writer, and releases the lease). docs/api.md has every name.
 import dataclasses
 from typing import Callable, Iterable
 
+import jax
 from absl import logging
 
-from checkpointing._src import input_state, probes, run_record, verdicts
-from checkpointing._src import lease as lease_lib
-from checkpointing._src import marking
-from checkpointing._src import restore as restore_lib
-from checkpointing._src import workdir as workdir_lib
+from checkpointing._src import input_state, marking, probes, run_record, verdicts
+from checkpointing._src import lease as lease_lib, restore as restore_lib, workdir as workdir_lib
 from checkpointing.config import AUTO, CheckpointConfig, resolve_path
 from checkpointing.errors import CheckpointError, LeaseLostError, WorkdirLeasedError
 from checkpointing._src.probe_recorder import ProbeRecorder
@@ -33,6 +31,7 @@ from checkpointing._src.saver import SaveEvent, Saver
 from checkpointing._src.schedule import SaveSchedule
 from checkpointing._src.service import CheckpointService, RunMetadata
 from runtime import collective
+from runtime.dispatch import blocks_each_step
 from runtime.preemption import PreemptionWatch
 from runtime.watchdog import Watchdog
 
@@ -45,11 +44,9 @@ class Checkpointer:
       options: the checkpoint config (cadence, retention, resume precedence, tiers, lease).
       config: the run's whole config as JSON; every manifest records it.
       fixed: names of `config` fields a resume must not change (they shape the state or its numbers).
-      mesh: the jax.sharding.Mesh the state lives on (recorded; a restore takes its shardings from the
-        abstract target).
+      mesh: the jax.sharding.Mesh the state lives on (recorded; a restore takes the abstract target's shardings).
       total_steps: the run's last step; a save there is "final", and no preemption save is made there.
-      program: "package.module:factory" that builds the run's replay program for the verifier
-        (the replay protocol: docs/api.md, verifier/program.py); None for a run the verifier should not replay.
+      program: "package.module:factory" building the run's replay program for the verifier (docs/api.md); None: none.
       watchdog: bounds every wait (a dead peer, a stuck commit); by default one of `watchdog_secs`.
       data_iterator: a Grain iterator whose position is not a function of the step (a filter, packing):
         every persistent save holds its state, one file per process, and a restore sets it back
@@ -71,6 +68,7 @@ class Checkpointer:
             workdir_lib.Workdir(path)
         self.total_steps = total_steps
         self.mesh = mesh
+        self._one_step_at_a_time = blocks_each_step(mesh)  # CPU meshes (runtime/dispatch.py): on_step waits
         run = RunMetadata.of_run(config, fixed, dict(mesh.shape), program=program, total_steps=total_steps)
         self._candidates = restore_lib.resume_candidates(self.workdir, self.options, run,  # refusals change nothing
                                                          total_steps=total_steps)
@@ -174,6 +172,8 @@ class Checkpointer:
         if self._saver is None:
             raise RuntimeError("Checkpointer.on_step before restore_or_init")
         self.workdir.live()  # the start-up is over: listings and manifests are read afresh from now on
+        if self._one_step_at_a_time:  # the loop dispatches its next step only once this one is done
+            jax.block_until_ready(loss if loss is not None else state)
         return self._saver.on_step(step, state, loss, metrics)
 
     # --- closing -------------------------------------------------------------------------------
