@@ -126,7 +126,7 @@ def test_a_real_save_fsyncs_every_file_then_renames_then_fsyncs_checkpoints_befo
 def test_a_verdict_write_fsyncs_the_file_renames_it_then_fsyncs_the_verdicts_directory(tmp_path):
     workdir = str(tmp_path / "run")
     script = textwrap.dedent(f"""
-        from checkpointing import verdicts
+        from checkpointing._src import verdicts
         verdicts.write({workdir!r}, verdicts.make(step=10, level="reproduced", status="pass", detail="test",
                        checkpoint_mesh={{"data": 8}}, verifier_mesh={{"data": 8}}, durations_secs={{}}))
         verdicts.write({workdir!r}, verdicts.make(step=10, level="reproduced", status="fail", detail="again",

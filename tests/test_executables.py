@@ -19,8 +19,8 @@ import json, sys
 import jax, jax.numpy as jnp
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
-from checkpointing import fingerprint as fingerprint_lib
-from checkpointing import marks as marks_lib
+from checkpointing._src import fingerprint as fingerprint_lib
+from checkpointing._src import marks as marks_lib
 cache, rows = sys.argv[1], int(sys.argv[2])
 if cache:
     jax.config.update("jax_compilation_cache_dir", cache)
