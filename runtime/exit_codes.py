@@ -12,6 +12,7 @@ from absl import flags
 OK = 0
 FAILURE = 1  # a crash, a failed verdict (verifier), a dead or stuck peer, a save that missed its deadline
 BAD_INPUT = 2  # bad flags, a checkpoint that does not match the program, an unusable workdir
+UNPROVED = 3  # the verifier: no step failed, but some step it judged is not proved (intact only, inconclusive, error)
 PREEMPTED = 75  # EX_TEMPFAIL: preempted, the final checkpoint committed, requeue me
 INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl-C exited at once; a save in flight never committed
 

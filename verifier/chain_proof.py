@@ -20,6 +20,7 @@ from checkpointing.verification import verdicts
 from checkpointing.errors import CheckpointError, CorruptCheckpointError
 from runtime import collective
 from checkpointing.verification import committed_steps, read_manifest
+from verifier import ensemble
 from verifier import evidence
 from verifier import identity
 from verifier import layouts
@@ -35,6 +36,7 @@ class Anchor:
     state: object
     fixed_hash: str
     input_states: list | None = None  # the iterator states saved at `step` (verifier/program.py)
+    cheap_only: bool = False  # proved by the cheap proof alone: a full proof failing from it re-proves from older
 
 
 class ChainProver:
@@ -110,34 +112,44 @@ class ChainProver:
 
     def _judge_interval(self, held, anchor: Anchor, count: int, recorded: dict, replayed: dict, replayed_state,
                         with_state: bool) -> evidence.Judgement:
-        """The recorded losses (and state) against the replay here and the same interval replayed on the
-        verifier's other layouts: a second always, a third to confirm what the first two call evidence."""
+        """The recorded losses (and state) against the replay here and the members of its ensemble
+        (verifier/ensemble.py): replays of the same interval perturbed at the rounding level, whose spread
+        bounds what a genuine execution on another layout could have recorded."""
         program = held.program
         floors = program_lib.floors(program, from_init=anchor.step == INIT)
-        losses, states = [replayed], [replayed_state]
+        losses, states, scale = [replayed], [replayed_state], 0.0
 
         def judge() -> evidence.Judgement:
             judgement = evidence.judge_losses(recorded, losses, floors[0])
             if with_state:
                 judgement = judgement.add(evidence.judge_leaves(
                     layouts.leaf_numbers(held.state, states, anchor.state), floors[1]))
-            judgement.replays = len(losses)
+            judgement.replays, judgement.perturbation = len(losses), scale
             return judgement
 
-        for other in self._context.other_programs(held.manifest):
+        def one_step(on, state):
+            batches = program_lib.batches_at(on, anchor.input_states, held.input_states)
+            return self._context.replay(on, state, anchor.step, 1, batches)[0]
+
+        for other, perturbation in ensemble.members(program, self._context.other_programs(held.manifest),
+                                                    anchor.state, one_step):
             batches = program_lib.batches_at(other, anchor.input_states, held.input_states)
             other_state, other_losses = self._context.replay(
-                other, layouts.copy_onto(anchor.state, other.state_shardings), anchor.step, count, batches)
+                other, layouts.copy_onto(anchor.state, other.state_shardings), anchor.step, count, batches,
+                perturbation)
             self._context.budget.replayed(count)
             losses.append(other_losses)
             states.append(layouts.moved_onto(other_state, program.state_shardings))
-            judgement = judge()
-            if not judgement.findings or len(losses) == 3:
-                return judgement
+            scale = max(scale, perturbation.largest())
+            if len(losses) > ensemble.MEMBERS:
+                judgement = judge()
+                if not judgement.findings or len(losses) > ensemble.MEMBERS + ensemble.CONFIRMING:
+                    return judgement
         if len(losses) > 1:
-            return judgement
-        # No other layout (one device, or --measure_noise=false): the bounds the program declares, if any.
-        return judge() if any(floors) else evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
+            return judge()
+        # No other layout (one device, or --measure_noise=false): no bound is established here, and a bound the
+        # program declares is a floor under one, never the bound itself.
+        return evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
 
     def anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
         """The step anchor_for would start from, without restoring anything."""
@@ -158,10 +170,7 @@ class ChainProver:
             try:
                 anchor_manifest = read_manifest(self._options.workdir, disk_anchor)
                 if anchor_manifest["fixed_hash"] == fixed_hash:
-                    restored = self._context.service.restore(disk_anchor, program.abstract_state).state
-                    self._check_proved_content(disk_anchor, anchor_manifest, restored)
-                    self._anchor = Anchor(disk_anchor, restored, fixed_hash,
-                                          program_lib.input_states(self._options.workdir, disk_anchor, program))
+                    self._anchor = self._restored_anchor(disk_anchor, anchor_manifest, program)
                     return self._anchor
             except CheckpointError as err:  # deleted, damaged or edited since it was proved: start further back
                 logging.warning("proved step %d cannot be restored (%s); replaying from the init", disk_anchor, err)
@@ -171,6 +180,32 @@ class ChainProver:
         run = self._context.run_manifest() or manifest
         return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state,
                                                     run.get("init_from")), fixed_hash)
+
+    def _restored_anchor(self, step: int, manifest: dict, program) -> Anchor:
+        """Proved `step` restored from disk as an anchor, its content checked against its verdict's."""
+        restored = self._context.service.restore(step, program.abstract_state).state
+        self._check_proved_content(step, manifest, restored)
+        verdict = verdicts.for_save(self._options.workdir, step, manifest.get("digest")) or {}
+        return Anchor(step, restored, manifest["fixed_hash"],
+                      program_lib.input_states(self._options.workdir, step, program),
+                      cheap_only=verdict.get("level") != "reproduced")
+
+    def reproduced_anchor_before(self, step: int, manifest: dict, program) -> Anchor:
+        """The newest step before `step` whose full proof passed, restored; else the run's init. Where a full
+        proof from an anchor the cheap proof alone proved fails, this is where it is proved again from, so
+        that the blame lands on the first wrong step, never on its successor."""
+        workdir = self._options.workdir
+        for older in reversed([s for s in verdicts.proved_steps(workdir, committed_steps(workdir)) if s < step]):
+            try:
+                older_manifest = read_manifest(workdir, older)
+                verdict = verdicts.for_save(workdir, older, older_manifest.get("digest")) or {}
+                if verdict.get("level") == "reproduced" and older_manifest["fixed_hash"] == manifest["fixed_hash"]:
+                    return self._restored_anchor(older, older_manifest, program)
+            except CheckpointError as err:
+                logging.warning("proved step %d cannot anchor a proof again (%s); looking further back", older, err)
+        run = self._context.run_manifest() or manifest
+        return Anchor(INIT, restore_lib.fresh_state(program.init_fn, program.abstract_state, run.get("init_from")),
+                      manifest["fixed_hash"])
 
     def _check_proved_content(self, step: int, manifest: dict, state) -> None:
         """A proved step restored from disk must hold the content its verdict proved (checkpointing/_src/content.py):
@@ -191,14 +226,24 @@ class ChainProver:
         raise CorruptCheckpointError(f"step {step}: {detail}")
 
     def _exact(self, first: int, last: int, manifest: dict, program) -> bool:
-        """Bit-exact only if every step in (first, last] was recorded on the verifier's layout and platform."""
+        """Bit-exact only if every step of this run in (first, last] was recorded on the verifier's layout and
+        platform. A step between them that is not a save of this run's (unreadable, damaged, copied in under
+        another number, another run's) says nothing of the layouts that computed the interval: it never turns
+        the bit-for-bit comparison into a tolerance."""
         if not layouts.same_layout(program.mesh, manifest):
             return False
-        try:
-            return all(layouts.same_layout(program.mesh, read_manifest(self._options.workdir, s))
-                       for s in committed_steps(self._options.workdir) if first < s < last)
-        except CheckpointError:
-            return False
+        for other in committed_steps(self._options.workdir):
+            if not first < other < last:
+                continue
+            try:
+                between = read_manifest(self._options.workdir, other)
+            except CheckpointError as err:
+                logging.warning("step %d between %d and %d is not read (%s): it does not decide how they compare",
+                                other, first, last, err)
+                continue
+            if between["fixed_hash"] == manifest["fixed_hash"] and not layouts.same_layout(program.mesh, between):
+                return False
+        return True
 
     def _manifests_between(self, first: int, last: int) -> list[dict]:
         """The manifests of the committed steps strictly between `first` and `last` (unreadable: skipped)."""

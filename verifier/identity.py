@@ -55,8 +55,11 @@ def run_identity(workdir: str, committed: list[int]) -> dict | None:
     except ManifestError as err:
         logging.warning("%s; the run's identity is the one most of its steps share", err)
         record = None
-    if record is not None:
+    if record is not None and not run_record.disowned_by_steps(workdir, record):
         return {**{field: record[field] for field in run_record.IDENTITY_FIELDS}, "origin": RECORD}
+    if record is not None:  # the record is the suspect, not the steps: never their final fails
+        logging.warning("%s records another run than every committed step (a copied run.json?): the run's "
+                        "identity is the one most of its steps share", RECORD)
     return _shared_by_most(workdir, committed)
 
 

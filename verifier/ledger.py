@@ -78,6 +78,21 @@ class Ledger:
                                "replaces it)")
         logging.warning("%s", self.unproved[step])
 
+    def tally(self, committed: list[int]) -> dict[str, list[int]]:
+        """Every committed step by what its current verdict says: `proved` (a resumes or reproduced pass),
+        `failed`, or `unproved` (intact only, replayed, inconclusive, an error, or no verdict of its save)."""
+        found = verdicts.current_steps(self.workdir, committed)
+        tally = {"proved": [], "failed": [], "unproved": []}
+        for step in committed:
+            verdict = found.get(step)
+            if verdicts.is_proved(verdict) and step not in self.unproved:
+                tally["proved"].append(step)
+            elif verdict is not None and verdict["status"] == "fail":
+                tally["failed"].append(step)
+            else:
+                tally["unproved"].append(step)
+        return tally
+
     def exit_line(self, committed: list[int]) -> str | None:
         """None when no committed step failed and none is left unproved by a fault of the verifier's; else
         one line: 'failing verdicts for steps [..]' (evidence), then 'the verifier could not prove steps

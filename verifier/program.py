@@ -161,12 +161,15 @@ def input_note(batches) -> str:
     return ", and the input iterator reached the position it saved" if hasattr(batches, "input_states") else ""
 
 
-def replay_losses(program, state, start_step: int, num_steps: int, batches=None):
+def replay_losses(program, state, start_step: int, num_steps: int, batches=None, perturb=None):
     """Runs `num_steps` steps from `state` (at `start_step`), each on `next(batches)` or else on
-    program.batch_fn(step); returns (state, {step: loss})."""
+    program.batch_fn(step), and `perturb(state, step)` after each where given (verifier/perturb.py);
+    returns (state, {step: loss})."""
     losses = []
     for step in range(start_step, start_step + num_steps):
         state, loss = program.step_fn(state, next(batches) if batches is not None else program.batch_fn(step))
+        if perturb is not None:
+            state = perturb(state, step)
         losses.append(loss)
         if blocks_each_step(program.mesh):
             loss.block_until_ready()

@@ -162,7 +162,8 @@ class StepProver:
             elif resume is not None and resume.status == "pass":
                 verdict["detail"] += f"; it resumes the run ({resume.steps} steps replayed from it)"
         if verdict["status"] == "pass" and verdict["level"] in verdicts.PROVED_LEVELS:  # only a passed proof anchors
-            self._chain.proved(Anchor(step, held.state, manifest["fixed_hash"], held.input_states))
+            self._chain.proved(Anchor(step, held.state, manifest["fixed_hash"], held.input_states,
+                                      cheap_only=verdict["level"] != "reproduced"))
             if jax.process_index() == 0:  # what it proved, bound to the verdict (checkpointing/_src/content.py)
                 verdict["content_sha256"] = content.leaf_digests(held.state)
         return verdict
@@ -179,7 +180,33 @@ class StepProver:
             return self.verdict(step, held.manifest, "intact", "inconclusive",
                                 f"the full proof cannot start from {identity.init_origin(held.manifest)}: {err}",
                                 held.durations)
-        return self._chain.prove(step, held, anchor)
+        verdict = self._chain.prove(step, held, anchor)
+        if verdict["status"] != "fail" or not anchor.cheap_only:
+            return verdict
+        return self._proved_again(step, held, anchor, verdict)
+
+    def _proved_again(self, step: int, held: HeldStep, suspect: Anchor, failed: dict) -> dict:
+        """A full proof failed from an anchor only the cheap proof had proved: the step is proved again from the
+        newest fully proved step before it (or the init). If it passes from there, the anchor is what differs:
+        it is proved in full from there too, and that verdict (its evidence) replaces its cheap one."""
+        older = self._chain.reproduced_anchor_before(suspect.step, held.manifest, held.program)
+        logging.warning("step %d: its full proof from step %d (proved by the cheap proof alone) failed; proving it "
+                        "again from %s before blaming it", step, suspect.step,
+                        f"step {older.step}" if older.step != INIT else "the init")
+        verdict = self._chain.prove(step, held, older)
+        if verdict["status"] != "pass":
+            return verdict
+        manifest = read_manifest(self._options.workdir, suspect.step)
+        anchor_held = HeldStep(suspect.state, manifest, held.program, {}, suspect.input_states)
+        blamed = self._chain.prove(suspect.step, anchor_held, older)
+        if blamed["status"] == "fail" and jax.process_index() == 0:  # evidence against the anchor: its own verdict
+            logging.error("verdict step %d: %s %s: %s", suspect.step, blamed["level"], blamed["status"],
+                          blamed["detail"])
+            verdicts.write(self._options.workdir, blamed, replace=True)
+        verdict["detail"] += (f"; its full proof from step {suspect.step}, which only the cheap proof had proved, "
+                              f"failed ({failed['detail']}): step {suspect.step} is "
+                              f"{'what differs' if blamed['status'] == 'fail' else 'not proved in full'}")
+        return verdict
 
     def _resume_verdict(self, step: int, held: HeldStep, resume, why_only: str) -> dict:
         """The verdict of the cheap proof alone (a passing one anchors the next full proof)."""

@@ -20,6 +20,7 @@ from checkpointing.verification import probes
 from checkpointing.errors import CheckpointError
 from checkpointing.verification import committed_steps, read_manifest
 from runtime import collective
+from verifier import ensemble
 from verifier import evidence
 from verifier import layouts
 from verifier import program as program_lib
@@ -75,25 +76,32 @@ def prove(replay, program, start_state, step: int, probe: dict, manifest: dict,
             probe["summaries"], [summaries], sizes, integer, probe["summary_step"]))
     else:
         floors = program_lib.floors(program, from_init=False)
-        all_losses, all_summaries = [losses], [summaries]
+        all_losses, all_summaries, scale = [losses], [summaries], 0.0
 
         def judge() -> evidence.Judgement:
             judgement = evidence.judge_losses(recorded, all_losses, floors[0]).add(evidence.judge_summaries(
                 probe["summaries"], all_summaries, sizes, integer, probe["summary_step"], floors[1]))
-            judgement.replays = len(all_losses)
+            judgement.replays, judgement.perturbation = len(all_losses), scale
             return judgement
 
+        def one_step(on, state):
+            return replay(on, state, step, 1, batches_for(on))[0]
+
         judgement = None
-        for other in others():
+        for other, perturbation in ensemble.members(program, others(), start_state, one_step):
             other_losses, other_summaries, _ = _replayed(replay, other, start_state, step, count, recorded_pass,
-                                                         batches_for(other))
+                                                         batches_for(other), perturbation)
             all_losses.append(other_losses)
             all_summaries.append(other_summaries)
+            scale = max(scale, perturbation.largest())
+            if len(all_losses) > ensemble.MEMBERS:
+                judgement = judge()
+                if not judgement.findings or len(all_losses) > ensemble.MEMBERS + ensemble.CONFIRMING:
+                    break
+        if judgement is None and len(all_losses) > 1:
             judgement = judge()
-            if not judgement.findings or len(all_losses) == 3:
-                break
-        if judgement is None:  # no other layout: the bounds the program declares, if any
-            judgement = judge() if any(floors) else evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
+        if judgement is None:  # no other layout: no bound established (a declared one is only a floor)
+            judgement = evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
     status, detail = layouts.verdict_of(judgement, manifest)
     return ResumeResult(judgement, status, detail, count, probe["summary_step"], len(recorded), largest, exact)
 
@@ -122,14 +130,14 @@ def awaits_probe(options, step: int, final: bool) -> bool:
     return True
 
 
-def _replayed(replay, program, start_state, step: int, count: int, recorded_pass: str, batches):
+def _replayed(replay, program, start_state, step: int, count: int, recorded_pass: str, batches, perturb=None):
     """({step: loss}, {key path: [sum, norm]} at step + count, whether summed as the trainer did) of a replay
-    of `count` steps on `program` from a copy of `start_state`."""
+    of `count` steps on `program` from a copy of `start_state` (a member of the ensemble: `perturb`)."""
     state = layouts.copy_onto(start_state, program.state_shardings)
     # Summaries the trainer took with its step's marks are taken after the replay's last step with the marks'
     # executable too: the same numbers on the same layout. Host summaries are recomputed on the host.
     in_step = recorded_pass == probes.STEP_PASS
-    state, losses = replay(program, state, step, count - 1 if in_step else count, batches)
+    state, losses = replay(program, state, step, count - 1 if in_step else count, batches, perturb)
     if in_step:
         state, losses[step + count - 1], summaries = program_lib.replay_marked_step(
             program, state, step + count - 1, batches)

@@ -168,7 +168,7 @@ class Verifier:
         self._held[step] = restored
         return None
 
-    def _replay(self, program, state, start_step: int, count: int, batches=None):
+    def _replay(self, program, state, start_step: int, count: int, batches=None, perturb=None):
         """program.replay_losses in chunks; under --follow, steps committed meanwhile are proved intact
         (and held) between chunks, so their first verdict does not wait for this whole replay."""
         losses, chunk_steps = {}, self._chunk_steps()
@@ -180,7 +180,7 @@ class Verifier:
                 self._prove_new_commits_intact(first_chunk=first == start_step)
             self._check_stop()
             began = time.monotonic()
-            state, chunk = program_lib.replay_losses(program, state, first, steps, batches)  # one iterator: all chunks
+            state, chunk = program_lib.replay_losses(program, state, first, steps, batches, perturb)  # one iterator
             secs = time.monotonic() - began
             if self._forecast is not None:
                 self._forecast.replayed(secs, steps)

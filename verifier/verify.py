@@ -2,24 +2,28 @@
 
 A separate process with its own devices and mesh. It reads the trainer's checkpoints (never
 changes them), proves each committed step (verifier/proofs.py) and writes a verdict per step.
---once verifies what is pending and exits: 0 if no committed step's verdict failed and the verifier
-proved (or found inconclusive, with a warning) every one; 1 if any failed (evidence) or the verifier
-could not prove one (a fault of its own, retried by its next run: verifier/faults.py), one last line
-naming the steps; 2 for bad input. --follow keeps following until --until_step, or the run's final
-checkpoint, is verified, or until SIGTERM; same exit codes. --reverify=STEPS|all redoes those steps'
+--once verifies what is pending and exits: 0 only if every committed step is proved (a resumes or
+reproduced pass); 1 if any failed (evidence), one `error:` line naming the steps; 3 (UNPROVED) if none
+failed but some step is not proved (left intact, replayed, inconclusive, or an error: a fault of the
+verifier's own, retried by its next run: verifier/faults.py), one `unproved:` line naming each; 2 for
+bad input, including flag values under which nothing could be proved. The last line counts the proved,
+failed and unproved steps. --follow keeps following until --until_step, or the run's final checkpoint,
+is verified, or until SIGTERM; same exit codes. --reverify=STEPS|all redoes those steps'
 verdicts (a complete one is otherwise never redone). On a local workdir it notices a commit
 within milliseconds (verifier/commit_watch.py); on gs:// it polls with backoff. --tolerances=FILE
 compares across layouts with what `python -m verifier.calibrate` measured for the run's model
 instead of its spec's.
 """
 
+import math
 import signal
+import sys
 import threading
 
 import jax
 from absl import flags, logging
 
-from checkpointing.verification import committed_steps
+from checkpointing.verification import committed_steps, verdicts
 from checkpointing.errors import VerificationFailedError
 from checkpointing.verification import check_workdir
 from runtime import distributed, entry, exit_codes
@@ -64,17 +68,17 @@ TOLERANCES = flags.DEFINE_string(
     "cross-layout rtols replace the model's own as floors under the measured noise (the from-init pair for a full "
     "proof's first interval). Empty: the model's.")
 MEASURE_NOISE = flags.DEFINE_boolean(
-    "measure_noise", True, "Across layouts, replay each interval again on another layout of this verifier's devices "
-    "to measure the noise of a layout change (a failure needs evidence beyond 100x it). Off: half the compute, and "
-    "a proof across layouts rests on the bounds the model declares (inconclusive where it declares none).")
+    "measure_noise", True, "Across layouts, replay each interval again, perturbed at the rounding level, on this "
+    "verifier's own layouts: the spread that bounds a genuine record (docs/verifier.md). Off: a third of the compute, "
+    "and every proof across layouts is inconclusive (no bound is established; only the recording layout decides).")
 
 
 def reverify_steps(text: str, workdir: str) -> tuple[int, ...] | str:
     """--reverify's steps (ledger.ALL for 'all'); ConfigError (exit 2) naming one that is not committed."""
     if text.strip() == ALL:
         return ALL
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if not all(part.isdigit() for part in parts):
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):  # an empty item too ("20,,40"): a typo, not a step
         raise ConfigError(f"--reverify={text}: give committed step numbers separated by commas, or all")
     committed = committed_steps(workdir)
     missing = sorted({int(part) for part in parts} - set(committed))
@@ -84,15 +88,34 @@ def reverify_steps(text: str, workdir: str) -> tuple[int, ...] | str:
     return tuple(sorted({int(part) for part in parts}))
 
 
+def check_proving_flags() -> None:
+    """Flag values under which a proof would prove nothing are bad input (exit 2), not a vacuous pass."""
+    if not math.isfinite(VERIFY_BUDGET.value):
+        raise ConfigError(f"--verify_budget={VERIFY_BUDGET.value}: give a finite fraction (0, 0.25, 1, ...)")
+    if REPLAY_STEPS.value == 0:
+        raise ConfigError("--replay_steps=0 replays nothing, so no step could be proved: give at least 1")
+
+
+def checked_tolerances(path: str):
+    """--tolerances' bounds, refused (ConfigError) where one is not finite or not below 1 (a relative bound
+    of the whole value cannot fail)."""
+    try:
+        measured = tolerances.read_measured(path)
+    except ConfigError as err:
+        raise ConfigError(f"--tolerances={err}") from None
+    for name in ("loss_rtol", "state_rtol", "init_loss_rtol", "init_state_rtol"):
+        value = getattr(measured, name, None)
+        if value is not None and not (math.isfinite(float(value)) and 0 <= float(value) < 1):
+            raise ConfigError(f"--tolerances={path}: its {name} {value} is a bound that cannot fail (a relative "
+                              "bound must be finite, at least 0 and below 1)")
+    return measured
+
+
 def main(argv: list[str]) -> int:
     if FOLLOW.value == ONCE.value:
         raise ValueError("give exactly one of --follow and --once")
-    measured = None
-    if TOLERANCES.value:
-        try:
-            measured = tolerances.read_measured(TOLERANCES.value)
-        except ConfigError as err:
-            raise ConfigError(f"--tolerances={err}") from None
+    check_proving_flags()
+    measured = checked_tolerances(TOLERANCES.value) if TOLERANCES.value else None
     distributed.initialize()
     if not WORKDIR.value:
         raise ConfigError("--workdir is required")
@@ -118,9 +141,25 @@ def main(argv: list[str]) -> int:
         verifier.verify_pending()
     else:
         verifier.follow(stop, until_step=UNTIL_STEP.value)
-    line = verifier.ledger.exit_line(committed_steps(workdir))  # evidence first, then the verifier's faults
-    if line is not None:
-        raise VerificationFailedError(line)
+    return exit_code(verifier.ledger, committed_steps(workdir))
+
+
+def exit_code(ledger, committed: list[int]) -> int:
+    """0 only when every committed step is proved; 1 (one `error:` line) when a step failed; UNPROVED (3) when
+    none failed but some step is not proved. The last line counts both either way."""
+    tally = ledger.tally(committed)
+    counts = (f"{len(tally['proved'])} of {len(committed)} committed steps proved, {len(tally['failed'])} failed, "
+              f"{len(tally['unproved'])} unproved")
+    line = ledger.exit_line(committed)  # evidence first, then the verifier's faults
+    if tally["failed"]:
+        raise VerificationFailedError(f"{line} ({counts})")
+    if tally["unproved"]:
+        details = [line] if line else []
+        described = ", ".join(f"{step}: {verdicts.describe(ledger.workdir, step)}" for step in tally["unproved"])
+        details.append(f"not proved: {described}")
+        sys.stderr.write(f"unproved: {counts}; {'; '.join(details)}\n")
+        return exit_codes.UNPROVED
+    print(f"verified: {counts}")
     return exit_codes.OK
 
 

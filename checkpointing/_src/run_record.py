@@ -89,10 +89,35 @@ def check(workdir: str, run: RunMetadata, *, starting_over: bool) -> None:
     if record is None or starting_over:
         return
     found = differences(record, run)
+    if found and disowned_by_steps(workdir, record):
+        # A record no committed step agrees with is the suspect (a run.json copied from another run's
+        # folder), not the steps: a training job is never left unable to resume by one file.
+        logging.warning("%s records another run than every committed step (%s): it is left as it is and the "
+                        "steps decide", workdir_lib.run_file(workdir), ", ".join(found))
+        return
     if found:
         raise ConfigMismatchError(f"{workdir_lib.run_file(workdir)} records another run than this one "
                                   f"({', '.join(found)}): use a new --workdir, or --resume_from=none --rollback to "
                                   "start this workdir over")
+
+
+def identity_of(manifest_or_record: dict) -> str:
+    """The identity fields of a manifest or a record, as canonical JSON: equal strings, the same run."""
+    return _canonical({field: manifest_or_record.get(field) for field in IDENTITY_FIELDS})
+
+
+def disowned_by_steps(workdir: str, record: dict) -> bool:
+    """Whether the workdir holds committed steps and none of the readable ones records `record`'s identity."""
+    mine, readable = identity_of(record), 0
+    for step in workdir_lib.committed_steps(workdir):
+        try:
+            manifest = workdir_lib.read_manifest(workdir, step)
+        except CheckpointError:
+            continue
+        readable += 1
+        if identity_of(manifest) == mine:
+            return False
+    return readable > 0
 
 
 def record_first_start(workdir: str, run: RunMetadata, *, starting_over: bool) -> None:

@@ -217,8 +217,11 @@ PROVED_LEVELS = ("resumes", "reproduced")
 
 def is_proved(verdict: dict | None) -> bool:
     """Whether a verdict proves that its step resumes the run (the only kind a resume or a proof may start
-    from): the cheap proof or the full one, passed."""
-    return verdict is not None and verdict["level"] in PROVED_LEVELS and verdict["status"] == "pass"
+    from): the cheap proof or the full one, passed, bound to the content it proved (its leaves' sha256,
+    checkpointing/_src/content.py). A proving verdict without them proves nothing: the arrays behind it
+    could be any whose fingerprints match."""
+    return (verdict is not None and verdict["level"] in PROVED_LEVELS and verdict["status"] == "pass"
+            and bool(verdict.get("content_sha256")))
 
 
 def proved_steps(workdir: str, among) -> list[int]:
