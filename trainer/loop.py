@@ -18,7 +18,7 @@ from trainer import compile_cache, data, metrics, model_config, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
-from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program, jax_precision
+from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program, computation, jax_precision
 
 
 @dataclasses.dataclass
@@ -158,8 +158,13 @@ def check_resumed_data(config: TrainConfig, inputs: data.Inputs, workdir: Workdi
 
 def resumed_code(config: TrainConfig, workdir: Workdir) -> dict:
     """This process's code identity, checked against the newest committed manifest's (one warning line
-    naming what changed, logged once the run is admitted; a ConfigError under --refuse_code_change)."""
-    current = code_lib.identity(config)
+    naming what changed, logged once the run is admitted; a ConfigError under --refuse_code_change).
+    Its computation is traced here, abstractly, from the functions build_program compiles next (its cost
+    against the compile: benchmarks/compile_bench.py, docs/performance.md)."""
+    begin = time.perf_counter()
+    traced = computation(config)
+    log_phase("computation", time.perf_counter() - begin)
+    current = code_lib.identity(config, traced)
     try:
         steps = workdir.committed_steps()
         previous = workdir.read_manifest(steps[-1])["config"] if steps else None

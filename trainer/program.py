@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from checkpointing.config import check_fields, resolve_path
 from checkpointing.inspection import expand_local_dir
 from runtime import mesh as mesh_lib
-from trainer import code as code_lib, data, model_config, models, state as state_lib, step as step_lib
+from trainer import code as code_lib, computation as computation_lib, data, model_config, models
+from trainer import state as state_lib, step as step_lib
 from trainer.config import ConfigError, TrainConfig, check_mesh, check_training_fields, validate_workdir
 
 REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
@@ -58,11 +59,7 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     spec = models.resolve(config.model)
     if inputs is None:
         inputs = data.open_inputs(spec, config, mesh)
-    module = spec.make_module(config)
-    tx = state_lib.make_optimizer(config, spec)
-    codec = state_lib.KeyCodec()
-    init = state_lib.make_init_fn(config, spec, module, tx, codec)
-    abstract = jax.eval_shape(init)
+    module, codec, init, abstract = _init_of(config, spec)
     shardings = state_lib.state_shardings(abstract, mesh, spec.partition)
     batch_sharding = data.batch_sharding(mesh)
     # The position is the step either way: records (trainer/input) or the spec's synthetic draw.
@@ -97,6 +94,36 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
         loss_fn=None if spec.takes_model_state else functools.partial(spec.loss, module),
         inputs=inputs,
     )
+
+
+def _init_of(config: TrainConfig, spec: models.ModelSpec):
+    """(module, codec, init, abstract state without shardings): what the init and the step are built from.
+    The init's abstract trace teaches the codec the model state's keys, which the step's trace decodes."""
+    module = spec.make_module(config)
+    codec = state_lib.KeyCodec()
+    init = state_lib.make_init_fn(config, spec, module, state_lib.make_optimizer(config, spec), codec)
+    return module, codec, init, jax.eval_shape(init)
+
+
+def computation(config: TrainConfig) -> dict[str, str]:
+    """The identity of what computes `config`'s numbers (trainer/computation.py): {"init", "step", "batch"}:
+    sha256s of the jaxprs of the init, the step (loss, gradients, optimizer update and schedule, at the
+    config's matmul precision) and the synthetic batch of a traced step number, each built by the functions
+    build_program jits, traced on unsharded abstract inputs so that the mesh, the process count and the
+    platform do not enter. Record files' batches are read, not computed: "records" (their rows are the
+    dataset's identity, a fixed field of every manifest)."""
+    spec = models.resolve(config.model)
+    module, codec, init, abstract = _init_of(config, spec)
+    state = computation_lib.unsharded(abstract)
+    step_number = jax.ShapeDtypeStruct((), jax.numpy.int32)
+    precision = config.matmul_precision
+    draw = at_precision(functools.partial(data.synthetic_batch, spec, config), precision)
+    batch = computation_lib.unsharded(jax.eval_shape(draw, step_number))
+    return {
+        "init": computation_lib.digest(at_precision(init, precision)),
+        "step": computation_lib.digest(at_precision(make_step(config, spec, module, codec), precision), state, batch),
+        "batch": "records" if config.data != data.SYNTHETIC else computation_lib.digest(draw, step_number),
+    }
 
 
 def make_step(config: TrainConfig, spec: models.ModelSpec, module, codec: state_lib.KeyCodec):
@@ -163,7 +190,8 @@ def replay_program(config: dict, mesh: Mesh) -> Program:
     inputs = data.open_inputs(models.resolve(recorded.model),
                               model_config.replace(recorded, eval_data="", eval_every_steps=0), mesh)
     data.check_recorded(config, inputs, "recorded in the manifest")
-    return dataclasses.replace(build_program(recorded, mesh, inputs), code=code_lib.identity(recorded))
+    return dataclasses.replace(build_program(recorded, mesh, inputs),
+                               code=code_lib.identity(recorded, computation(recorded)))
 
 
 def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:
