@@ -24,11 +24,19 @@ import numpy as np
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+def _traced(fn: Callable, *abstract_args: Any):
+    """(closed jaxpr, output ShapeDtypeStructs) of `fn` on `abstract_args`."""
+    return jax.make_jaxpr(fn, return_shape=True)(*abstract_args)
+
+
+def _text(closed) -> str:
+    return _ADDRESS.sub("", closed.jaxpr.pretty_print(source_info=False, name_stack=False, print_shapes=True))
+
+
 def jaxpr_text(fn: Callable, *abstract_args: Any) -> tuple[str, list]:
     """The printed jaxpr of `fn` on `abstract_args` (ShapeDtypeStructs without shardings) and its constants."""
-    closed = jax.make_jaxpr(fn)(*abstract_args)
-    text = closed.jaxpr.pretty_print(source_info=False, name_stack=False, print_shapes=True)
-    return _ADDRESS.sub("", text), list(closed.consts)
+    closed, _ = _traced(fn, *abstract_args)
+    return _text(closed), list(closed.consts)
 
 
 def _const_bytes(value) -> bytes:
@@ -39,13 +47,14 @@ def _const_bytes(value) -> bytes:
     return f"{array.dtype}{array.shape}".encode() + np.ascontiguousarray(array).tobytes()
 
 
-def digest(fn: Callable, *abstract_args: Any) -> str:
-    """sha256 (hex) of `fn`'s jaxpr on `abstract_args` and of the values of the constants it captured."""
-    text, consts = jaxpr_text(fn, *abstract_args)
-    hasher = hashlib.sha256(text.encode())
-    for const in consts:
+def digest(fn: Callable, *abstract_args: Any, return_shape: bool = False):
+    """sha256 (hex) of `fn`'s jaxpr on `abstract_args` and of the values of the constants it captured; with
+    `return_shape`, (that digest, `fn`'s output as ShapeDtypeStructs), from the same trace."""
+    closed, out = _traced(fn, *abstract_args)
+    hasher = hashlib.sha256(_text(closed).encode())
+    for const in closed.consts:
         hasher.update(_const_bytes(const))
-    return hasher.hexdigest()
+    return (hasher.hexdigest(), out) if return_shape else hasher.hexdigest()
 
 
 def unsharded(tree):
