@@ -38,6 +38,13 @@ class Anchor:
     root: bool = False  # the first save of new code: a new chain's origin, not a proved step (new_chain)
 
 
+class _Recorded:
+    """A manifest's recorded code in the place of a program's (verifier/program.py code_change compares them)."""
+
+    def __init__(self, manifest: dict):
+        self.code = (manifest.get("config") or {}).get("code")
+
+
 class ChainProver:
     """The full proof and its anchors (see the module docstring), on the verifier's shared ProofContext
     (verifier/context.py); `verdict` builds every verdict it gives (StepProver.verdict's signature)."""
@@ -164,20 +171,27 @@ class ChainProver:
         return root if root is not None else proved
 
     def new_chain(self, step: int, after: int) -> int | None:
-        """The newest committed step in (after, step] whose save announced a code change (the trainer's resume
-        across a change records `changed_from`, trainer/code.py): the first save of new code, where a new chain
-        of proofs starts, since the steps before it were computed by other code. None: no such save."""
-        for other in reversed(committed_steps(self._options.workdir)):
-            if other > step:
-                continue
-            if other <= after:
+        """The first save of new code in (after, step]: the newest committed step there that a resume across an
+        announced code change saved (trainer/code.py check_resume records `changed_from` in every save of that
+        attempt) and whose predecessor, if any is left, was computed by other code. A new chain of proofs
+        starts there, since the steps before it were computed by other code. None: no such save."""
+        steps = [other for other in committed_steps(self._options.workdir) if other <= step]
+        for index in range(len(steps) - 1, -1, -1):
+            if steps[index] <= after:
                 return None
-            try:
-                if program_lib.announces_code_change(read_manifest(self._options.workdir, other)):
-                    return other
-            except CheckpointError:  # unreadable: its own verdict says so; it announces nothing here
+            manifest = self._readable(steps[index])
+            if manifest is None or not program_lib.announces_code_change(manifest):
                 continue
+            before = self._readable(steps[index - 1]) if index else None
+            if before is None or program_lib.code_change(_Recorded(manifest), [before]) is not None:
+                return steps[index]
         return None
+
+    def _readable(self, step: int) -> dict | None:
+        try:
+            return read_manifest(self._options.workdir, step)
+        except CheckpointError:  # unreadable: its own verdict says so; it announces nothing here
+            return None
 
     def anchor_for(self, step: int, manifest: dict, program, disk_anchor: int | None) -> Anchor:
         """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init; or,
