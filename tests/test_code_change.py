@@ -98,7 +98,7 @@ def test_a_changed_schedule_is_named_and_a_resume_across_it_starts_a_new_chain(t
 
     result = verify(project, workdir)  # the edited code cannot prove steps computed before the edit
     assert "fail" not in result.stderr.splitlines()[-1]
-    for step, verdict in verdicts.read_steps(workdir, [10, 20]).items():
+    for verdict in verdicts.read_steps(workdir, [10, 20]).values():
         assert (verdict["level"], verdict["status"]) == ("reproduced", "inconclusive"), verdict
         assert "computation.step" in verdict["detail"] and "another computation" in verdict["detail"], verdict
 
