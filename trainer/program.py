@@ -119,7 +119,10 @@ def computation(config: TrainConfig) -> dict[str, str]:
     platform do not enter (a sharded trace has the layout's reshards in it). Record files' batches are read,
     not computed: "records" (their rows are the dataset's identity, a fixed field of every manifest).
     Traced once per config and process: validate's check_model keeps it."""
-    kept = _COMPUTATIONS.get(config)
+    try:
+        kept = _COMPUTATIONS.get(config)
+    except TypeError:  # a spec field holding an unhashable value: traced again, never shared by mistake
+        kept = None
     return dict(kept if kept is not None else _trace(config, models.resolve(config.model))[0])
 
 
@@ -139,7 +142,10 @@ def _trace(config: TrainConfig, spec: models.ModelSpec):
               "batch": "records" if config.data != data.SYNTHETIC else batch_digest}
     if len(_COMPUTATIONS) >= _KEPT:
         _COMPUTATIONS.clear()
-    _COMPUTATIONS[config] = traced
+    try:
+        _COMPUTATIONS[config] = traced
+    except TypeError:  # unhashable (above): not kept
+        pass
     return traced, abstract, out
 
 
