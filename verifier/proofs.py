@@ -131,8 +131,8 @@ class StepProver:
             # Replayed with this verifier's computation, a step computed by another would differ for that reason
             # alone: neither proof can decide (never a fail), and its probe is not awaited.
             return self.verdict(step, manifest, "reproduced", "inconclusive",
-                                f"fingerprints equal; not reproduced: computed by another computation than this "
-                                f"verifier runs ({foreign}); a verifier on the code that computed it proves it "
+                                f"fingerprints equal; not reproduced: its computation is not the one this verifier "
+                                f"runs ({foreign}); a verifier on the code that computed it proves it "
                                 f"(--reverify={step})", held.durations)
         final = manifest.get("reason") == "final"
         probe = resume_proof.agreed_probe(self._options.workdir, step, manifest)
