@@ -1,6 +1,8 @@
 """The computation's identity (trainer/computation.py, trainer/program.py `computation`): the same on every
 mesh for the same program, another for other math; and trainer/code.py's rule that it alone decides."""
 
+import types
+
 import jax
 import pytest
 
@@ -8,6 +10,7 @@ from tests import helpers
 from trainer import code as code_lib
 from trainer import computation as computation_lib
 from trainer import program as program_lib
+from verifier import program as verifier_program
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,20 @@ def test_the_computation_decides_and_the_rest_is_shown(workdir):
     assert code_lib.changes(legacy, code) == []
     assert code_lib.changes({**legacy, "git_commit": "0" * 40}, code)[0].startswith("git_commit 000000000000")
     assert code_lib.changes(None, code) == [] and code_lib.changes(code, None) == []
+
+
+def test_the_verifier_compares_by_the_computation_and_old_manifests_by_the_old_rule(workdir):
+    config = helpers.small_config(workdir, "mlp", "data=8")
+    code = code_lib.identity(config, program_lib.computation(config))
+    program = types.SimpleNamespace(code=code)
+    manifest = lambda step, recorded: {"step": step, "config": {"code": recorded}}  # noqa: E731
+    assert verifier_program.code_change(program, [manifest(10, {**code, "git_commit": "e511377a0978"})]) is None
+    other = {**code, "computation": {**code["computation"], "step": "3" * 64}}
+    assert verifier_program.code_change(program, [manifest(10, code), manifest(20, other)]).startswith(
+        "step 20: computation.step 333333333333 -> ")
+    legacy = {name: value for name, value in code.items() if name != "computation"}
+    assert verifier_program.code_change(program, [manifest(10, legacy)]) is None
+    assert "git_commit" in verifier_program.code_change(program, [manifest(10, {**legacy, "git_commit": "0" * 40})])
+    assert verifier_program.code_change(types.SimpleNamespace(), [manifest(10, other)]) is None  # a loop's own program
+    assert verifier_program.announces_code_change(manifest(30, {**code, "changed_from": ["computation.step a -> b"]}))
+    assert not verifier_program.announces_code_change(manifest(30, {**code, "changed_from": "damaged"}))
