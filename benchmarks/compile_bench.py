@@ -14,8 +14,14 @@ executables (Checkpointer.prepare compiles the first); and, as the baseline, `on
 of `step_marks` under `lax.cond` per part, what the trainer compiled before its restore until this
 benchmark; and `kept_fingerprints`: the fingerprints as the trainer now gets them (Checkpointer.prepare,
 checkpointing/_src/executables.py: the executable the cold process kept, loaded; its load counts as the
-compile). Reported: the medians of each phase, and over the step's total: the restart's marks
-(fingerprints), kept, all the marks (fingerprints + summaries) and the one executable. Nothing is a test
+compile). And `computation`: the code identity (trainer/program.py `computation`: the jaxprs of the init,
+the step and the batch on unsharded inputs, printed and hashed; all of it counted as its trace), timed as
+a fresh trace, and `shapes_only`: the same three traced by jax.eval_shape, what the start-up's model check
+traced before the identity was taken from its trace (their difference is what the start-up pays now;
+`computation(config)` itself then finds validate's trace kept). Reported: the medians of each phase, and
+over the step's total: the restart's marks (fingerprints), kept, all the marks (fingerprints + summaries),
+the one executable, the computation (over the warm step's total, and over the cold one's: a first start
+compiles the step cold) and what it adds to the start-up (computation - shapes_only). Nothing is a test
 threshold; only the ratios are comparable between machines.
 """
 
@@ -37,7 +43,7 @@ JSON_OUT = flags.DEFINE_string("json_out", None, "Write the numbers as JSON here
 
 SIZES = {"mlp": ["--hidden_dim=1024", "--input_dim=1024"], "transformer": ["--hidden_dim=1024"]}
 PHASES = ("trace", "lower", "compile")
-PARTS = ("step", "fingerprints", "summaries", "one_executable", "kept_fingerprints")
+PARTS = ("step", "fingerprints", "summaries", "one_executable", "kept_fingerprints", "computation", "shapes_only")
 
 
 def _timed(traceable, *args) -> dict[str, float]:
@@ -60,11 +66,19 @@ def measure_child() -> dict:
     from checkpointing._src import marks as marks_lib
     from trainer import compile_cache
     from trainer import flags as trainer_flags
+    from trainer import models, program as program_lib
     from trainer.program import build_mesh, build_program, validate
 
     compile_cache.use(CACHE_DIR.value)
     config = validate(trainer_flags.config_from_flags(), jax.device_count(), check_workdir=False)
     mesh = build_mesh(config)
+    spec = models.resolve(config.model)
+    begin = time.perf_counter()
+    program_lib._trace(config, spec)  # before the program is built and compiled, as in the start-up
+    traced = {"trace": time.perf_counter() - begin, "lower": 0.0, "compile": 0.0}
+    begin = time.perf_counter()
+    _shapes_only(config, spec)
+    shapes = {"trace": time.perf_counter() - begin, "lower": 0.0, "compile": 0.0}
     program = build_program(config, mesh)
     abstract = program.abstract_state
     step = _timed(program.step_fn.jitted, abstract, program.abstract_batch)
@@ -83,7 +97,23 @@ def measure_child() -> dict:
     leaves = jax.tree.leaves(abstract)
     layouts = {(x.shape, str(x.dtype), str(x.sharding.spec)) for x in leaves}
     return {"step": step, "fingerprints": fingerprints, "summaries": summaries, "one_executable": one_executable,
-            "kept_fingerprints": kept, "kept_source": source, "leaves": len(leaves), "layouts": len(layouts)}
+            "kept_fingerprints": kept, "kept_source": source, "computation": traced, "shapes_only": shapes,
+            "leaves": len(leaves),
+            "layouts": len(layouts)}
+
+
+def _shapes_only(config, spec) -> None:
+    """The init, the batch and the step traced by eval_shape alone (no jaxpr kept, printed or hashed)."""
+    import functools
+
+    import jax
+
+    from trainer import data, program as program_lib
+
+    module, codec, init = program_lib._module_and_init(config, spec)
+    abstract = jax.eval_shape(init)
+    batch = jax.eval_shape(functools.partial(data.synthetic_batch, spec, config), jax.ShapeDtypeStruct((), "int32"))
+    jax.eval_shape(program_lib.make_step(config, spec, module, codec), abstract, batch)
 
 
 def _child_args(model: str, cache_dir: str, workdir: str) -> list[str]:
@@ -106,19 +136,25 @@ def measure_model(model: str, samples: int) -> dict:
             "restart_marks_over_step": totals["fingerprints"] / totals["step"],
             "kept_marks_over_step": totals["kept_fingerprints"] / totals["step"],
             "all_marks_over_step": both / totals["step"],
-            "one_executable_over_step": totals["one_executable"] / totals["step"], "samples": warm}
+            "one_executable_over_step": totals["one_executable"] / totals["step"],
+            "computation_over_step": totals["computation"] / totals["step"],
+            "computation_over_cold_step": totals["computation"] / sum(cold["step"].values()),
+            "added_over_step": (totals["computation"] - totals["shapes_only"]) / totals["step"], "samples": warm}
 
 
 def report(results: dict) -> str:
     header = ["model", "leaves (layouts)", *[f"{what}: trace / lower / load = total s" for what in PARTS],
-              "restart's marks / step", "kept / step", "all marks / step", "one executable / step"]
+              "restart's marks / step", "kept / step", "all marks / step", "one executable / step",
+              "computation / step", "computation / cold step", "added / step"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for model, r in results.items():
         cells = [" / ".join(f"{r['warm'][what][p]:.3f}" for p in PHASES) + f" = {r['warm_total'][what]:.3f}"
                  for what in PARTS]
         lines.append(f"| {model} | {r['leaves']} ({r['layouts']}) | " + " | ".join(cells) +
                      f" | {r['restart_marks_over_step']:.2f} | {r['kept_marks_over_step']:.2f} | "
-                     f"{r['all_marks_over_step']:.2f} | {r['one_executable_over_step']:.2f} |")
+                     f"{r['all_marks_over_step']:.2f} | {r['one_executable_over_step']:.2f} | "
+                     f"{r['computation_over_step']:.2f} | {r['computation_over_cold_step']:.2f} | "
+                     f"{r['added_over_step']:.2f} |")
     return "\n".join(lines)
 
 

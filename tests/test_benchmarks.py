@@ -51,7 +51,7 @@ BENCHMARKS = {
               "restore_model8_over_same", "restore_fingerprint_check_over_restore", "peak_rss_save_over_state",
               "peak_rss_plain_orbax_save_over_state", "peak_rss_restore_over_state"),
         columns=(2,)),
-    "compile_bench": Smallest(("--models=mlp", "--samples=1"), rows=("mlp",), columns=(7, 8, 9, 10)),
+    "compile_bench": Smallest(("--models=mlp", "--samples=1"), rows=("mlp",), columns=(9, 10, 11, 12, 13, 14, 15)),
     "data_identity_bench": Smallest(
         ("--size_mib=2", "--shard_mib=1", "--repeats=1", "--cheap_samples=1"),
         rows=("ratio: stat / plain", "ratio: full / plain", "ratio: full, cold / plain", "full: GiB/s hashed",

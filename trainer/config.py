@@ -76,7 +76,8 @@ class TrainConfig:
                                               "tensorfloat32 and float32 name the same three. A resume may not "
                                               "change it.")
     refuse_code_change: bool = option(False, "Refuse (exit 2) to resume a run whose newest checkpoint was computed "
-                                             "by other code (spec source, git commit, version); else warn.")
+                                             "by another computation (the jaxpr of its init, step or batch; "
+                                             "trainer/code.py); else warn.")
     # The model spec's own fields (trainer.models.ModelField) as ((name, value), ...), every one of the
     # spec's present; flags and manifests see them flat, like the checkpoint fields.
     model_fields: tuple = dataclasses.field(default=(), metadata={"help": "the model spec's own fields"})

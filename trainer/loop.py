@@ -18,7 +18,7 @@ from trainer import compile_cache, data, metrics, model_config, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
-from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program, jax_precision
+from trainer.program import REPLAY_PROGRAM, Program, build_mesh, build_program, computation, jax_precision
 
 
 @dataclasses.dataclass
@@ -126,16 +126,18 @@ def compile_program(program: Program, *, fresh: bool, prepare=None) -> None:
 
 
 def open_checkpointer(config: TrainConfig, mesh, watchdog: Watchdog | None = None,
-                      inputs: data.Inputs | None = None, workdir: Workdir | None = None) -> Checkpointer:
+                      inputs: data.Inputs | None = None, workdir: Workdir | None = None,
+                      traced: dict[str, str] | None = None) -> Checkpointer:
     """This run's Checkpointer: its identity is the config (its fixed names may not change on a resume)
     with, on record files, the dataset's identity (its digest may not change either), and the code that
     computes it (config["code"], trainer/code.py); the verifier replays it with
     trainer.program:replay_program. Without `watchdog` it owns one of --watchdog_secs, stopped at close.
-    `workdir`: the start-up's one open of --workdir, if the caller read it already."""
+    `workdir`: the start-up's one open of --workdir, if the caller read it already; `traced`: the config's
+    computation (trainer/program.py), if the caller traced it already."""
     workdir = workdir if workdir is not None else Workdir(config.workdir)
     recorded = inputs.recorded() if inputs is not None else {}
     fixed = tuple(model_config.fixed_names(config)) + (inputs.fixed_names() if inputs is not None else ())
-    identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config, workdir)}
+    identity = {**config.to_json(), **recorded, CODE_FIELD: resumed_code(config, workdir, traced)}
     return Checkpointer(workdir, config.checkpoint, config=identity, fixed=fixed,
                         mesh=mesh, total_steps=config.steps, program=REPLAY_PROGRAM, watchdog=watchdog,
                         watchdog_secs=config.watchdog_secs)
@@ -156,10 +158,11 @@ def check_resumed_data(config: TrainConfig, inputs: data.Inputs, workdir: Workdi
         return
 
 
-def resumed_code(config: TrainConfig, workdir: Workdir) -> dict:
+def resumed_code(config: TrainConfig, workdir: Workdir, traced: dict[str, str] | None = None) -> dict:
     """This process's code identity, checked against the newest committed manifest's (one warning line
-    naming what changed, logged once the run is admitted; a ConfigError under --refuse_code_change)."""
-    current = code_lib.identity(config)
+    naming what changed, logged once the run is admitted; a ConfigError under --refuse_code_change).
+    `traced`: the config's computation, traced here when not given."""
+    current = code_lib.identity(config, traced if traced is not None else computation(config))
     try:
         steps = workdir.committed_steps()
         previous = workdir.read_manifest(steps[-1])["config"] if steps else None
@@ -207,10 +210,15 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
         workdir = Workdir(config.workdir)  # one open for the whole start-up: each manifest read once
         if os.path.isdir(workdir) or workdir.startswith("gs://"):
             check_resumed_data(config, inputs, workdir)
+        # What computes the numbers, traced abstractly from the functions build_program compiles next (its cost
+        # against the compile: benchmarks/compile_bench.py); the code identity a resume is checked by.
+        begin = time.perf_counter()
+        traced = computation(config)
+        phases = {**(startup_phases or {}), "computation": time.perf_counter() - begin}
         watchdog = Watchdog(config.watchdog_secs)
-        with open_checkpointer(config, mesh, watchdog, inputs, workdir) as checkpointer:
+        with open_checkpointer(config, mesh, watchdog, inputs, workdir, traced) as checkpointer:
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
-            for name, secs in (startup_phases or {}).items():
+            for name, secs in phases.items():
                 log_phase(name, secs)
             inputs.log_admitted()
             changed = checkpointer.run.config[CODE_FIELD].get("changed_from")

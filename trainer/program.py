@@ -21,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from checkpointing.config import check_fields, resolve_path
 from checkpointing.inspection import expand_local_dir
 from runtime import mesh as mesh_lib
-from trainer import code as code_lib, data, model_config, models, state as state_lib, step as step_lib
+from trainer import code as code_lib, computation as computation_lib, data, model_config, models
+from trainer import state as state_lib, step as step_lib
 from trainer.config import ConfigError, TrainConfig, check_mesh, check_training_fields, validate_workdir
 
 REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
@@ -58,10 +59,7 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     spec = models.resolve(config.model)
     if inputs is None:
         inputs = data.open_inputs(spec, config, mesh)
-    module = spec.make_module(config)
-    tx = state_lib.make_optimizer(config, spec)
-    codec = state_lib.KeyCodec()
-    init = state_lib.make_init_fn(config, spec, module, tx, codec)
+    module, codec, init = _module_and_init(config, spec)
     abstract = jax.eval_shape(init)
     shardings = state_lib.state_shardings(abstract, mesh, spec.partition)
     batch_sharding = data.batch_sharding(mesh)
@@ -97,6 +95,58 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
         loss_fn=None if spec.takes_model_state else functools.partial(spec.loss, module),
         inputs=inputs,
     )
+
+
+def _module_and_init(config: TrainConfig, spec: models.ModelSpec):
+    """(module, codec, init): what the init and the step are built from. The init's abstract trace (done by
+    each caller) teaches the codec the model state's keys, which the step's trace decodes."""
+    module = spec.make_module(config)
+    codec = state_lib.KeyCodec()
+    return module, codec, state_lib.make_init_fn(config, spec, module, state_lib.make_optimizer(config, spec), codec)
+
+
+# config -> its computation, kept from validate's abstract trace (check_model), so that the start-up's code
+# identity traces nothing again (a config is frozen; a process's code does not change while it runs).
+_COMPUTATIONS: dict[TrainConfig, dict[str, str]] = {}
+_KEPT = 16  # configs: a verifier builds a run's program on a few meshes
+
+
+def computation(config: TrainConfig) -> dict[str, str]:
+    """The identity of what computes `config`'s numbers (trainer/computation.py): {"init", "step", "batch"}:
+    sha256s of the jaxprs of the init, the step (loss, gradients, optimizer update and schedule, at the
+    config's matmul precision) and the synthetic batch of a traced step number, each built by the functions
+    build_program jits, traced on unsharded abstract inputs so that the mesh, the process count and the
+    platform do not enter (a sharded trace has the layout's reshards in it). Record files' batches are read,
+    not computed: "records" (their rows are the dataset's identity, a fixed field of every manifest).
+    Traced once per config and process: validate's check_model keeps it."""
+    try:
+        kept = _COMPUTATIONS.get(config)
+    except TypeError:  # a spec field holding an unhashable value: traced again, never shared by mistake
+        kept = None
+    return dict(kept if kept is not None else _trace(config, models.resolve(config.model))[0])
+
+
+def _trace(config: TrainConfig, spec: models.ModelSpec):
+    """(computation, abstract state, abstract output of the step): one abstract trace of the init, the batch
+    and the step, what check_model checks and `computation` records."""
+    module, codec, init = _module_and_init(config, spec)
+    precision = config.matmul_precision
+    init_digest, abstract = computation_lib.digest(at_precision(init, precision), return_shape=True)
+    step_number = jax.ShapeDtypeStruct((), jax.numpy.int32)
+    draw = at_precision(functools.partial(data.synthetic_batch, spec, config), precision)
+    batch_digest, batch = computation_lib.digest(draw, step_number, return_shape=True)
+    step = at_precision(make_step(config, spec, module, codec), precision)
+    step_digest, out = computation_lib.digest(step, computation_lib.unsharded(abstract),
+                                              computation_lib.unsharded(batch), return_shape=True)
+    traced = {"init": init_digest, "step": step_digest,
+              "batch": "records" if config.data != data.SYNTHETIC else batch_digest}
+    if len(_COMPUTATIONS) >= _KEPT:
+        _COMPUTATIONS.clear()
+    try:
+        _COMPUTATIONS[config] = traced
+    except TypeError:  # unhashable (above): not kept
+        pass
+    return traced, abstract, out
 
 
 def make_step(config: TrainConfig, spec: models.ModelSpec, module, codec: state_lib.KeyCodec):
@@ -135,14 +185,11 @@ def _name(fn) -> str:
 def check_model(config: TrainConfig, spec: models.ModelSpec) -> None:
     """What a run needs of its model, checked abstractly (no compile, no device work) before anything is
     written: a module the trainer runs (not nnx), an optimizer, collections it can carry, and a loss that
-    returns the model state it was given. ConfigError naming what is wrong."""
-    module = spec.make_module(config)
-    models.check_module(spec, module)
-    codec = state_lib.KeyCodec()
-    init = state_lib.make_init_fn(config, spec, module, state_lib.make_optimizer(config, spec), codec)
-    abstract = jax.eval_shape(init)
-    batch = jax.eval_shape(lambda: data.synthetic_batch(spec, config, jax.numpy.zeros((), jax.numpy.int32)))
-    out = jax.eval_shape(make_step(config, spec, module, codec), abstract, batch)[0].model_state
+    returns the model state it was given. ConfigError naming what is wrong. Its trace is the config's
+    computation, kept for `computation`."""
+    models.check_module(spec, spec.make_module(config))
+    _, abstract, (new_state, *_) = _trace(config, spec)
+    out = new_state.model_state
     if jax.tree.structure(out) != jax.tree.structure(abstract.model_state) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype)
             for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(abstract.model_state))):
@@ -163,7 +210,8 @@ def replay_program(config: dict, mesh: Mesh) -> Program:
     inputs = data.open_inputs(models.resolve(recorded.model),
                               model_config.replace(recorded, eval_data="", eval_every_steps=0), mesh)
     data.check_recorded(config, inputs, "recorded in the manifest")
-    return dataclasses.replace(build_program(recorded, mesh, inputs), code=code_lib.identity(recorded))
+    return dataclasses.replace(build_program(recorded, mesh, inputs),
+                               code=code_lib.identity(recorded, computation(recorded)))
 
 
 def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = True) -> TrainConfig:

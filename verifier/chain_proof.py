@@ -37,6 +37,14 @@ class Anchor:
     fixed_hash: str
     input_states: list | None = None  # the iterator states saved at `step` (verifier/program.py)
     cheap_only: bool = False  # proved by the cheap proof alone: a full proof failing from it re-proves from older
+    root: bool = False  # the first save of new code: a new chain's origin, not a proved step (new_chain)
+
+
+class _Recorded:
+    """A manifest's recorded code in the place of a program's (verifier/program.py code_change compares them)."""
+
+    def __init__(self, manifest: dict):
+        self.code = (manifest.get("config") or {}).get("code")
 
 
 class ChainProver:
@@ -61,17 +69,26 @@ class ChainProver:
         count = min(distance, self._options.replay_steps)
         recorded = {s: v for s, v in manifest_lib.losses(manifest).items() if anchor.step <= s < anchor.step + count}
         origin = f"step {anchor.step}" if anchor.step != INIT else identity.init_origin(manifest)
+        if anchor.root:
+            origin += " (the first save of new code, where its chain of proofs starts)"
+        if self.new_chain(step, anchor.step) == step:
+            return self._verdict(step, manifest, "reproduced", "inconclusive",
+                                 f"fingerprints equal; not reproduced: the first save of new code "
+                                 f"({program_lib.announced_change(manifest)}), announced at its resume: the steps "
+                                 f"before it were computed by other code; a new chain of proofs starts from it",
+                                 durations)
         if count == 0 or (count < distance and not recorded):
             return self._verdict(step, manifest, "intact", "pass",
                                  f"fingerprints equal; not replayed: {distance} steps from {origin} exceed "
                                  f"--replay_steps={self._options.replay_steps} and reach none of its recorded losses",
                                  durations)
-        # The anchor's save too: a chain of trust that crossed a code change says so instead of passing.
+        # The anchor's save too: a chain of trust that crossed a change of computation says so instead of
+        # passing, and never fails (the replay would prove the other computation, not the step).
         change = program_lib.code_change(program, self._manifests_between(anchor.step - 1, step) + [manifest])
-        if change is not None:  # never reproduced across a code change: the replay would prove other code
-            return self._verdict(step, manifest, "intact", "pass",
-                                 f"fingerprints equal; not reproduced: the code changed on the way from {origin} "
-                                 f"to this step ({change})", durations)
+        if change is not None:
+            return self._verdict(step, manifest, "reproduced", "inconclusive",
+                                 f"fingerprints equal; not reproduced: the computation changed on the way from "
+                                 f"{origin} to this step ({change})", durations)
         exact = self._exact(anchor.step, step, manifest, program)
         started = time.perf_counter()
         batches = program_lib.batches_at(program, anchor.input_states, held.input_states)
@@ -151,17 +168,55 @@ class ChainProver:
         # program declares is a floor under one, never the bound itself.
         return evidence.Judgement(reason=layouts.NO_OTHER_LAYOUT)
 
-    def anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
-        """The step anchor_for would start from, without restoring anything."""
+    def _proved_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
+        """The newest proved step before `step` (held, or `disk_anchor`), else the init."""
         held = self._anchor
         candidates = [INIT] + ([disk_anchor] if disk_anchor is not None and disk_anchor < step else [])
         if held is not None and held.fixed_hash == manifest["fixed_hash"] and held.step < step:
             candidates.append(held.step)
         return max(candidates)
 
+    def anchor_step(self, step: int, manifest: dict, disk_anchor: int | None) -> int:
+        """The step anchor_for would start from, without restoring anything."""
+        proved = self._proved_step(step, manifest, disk_anchor)
+        root = self.new_chain(step, proved)
+        return root if root is not None else proved
+
+    def new_chain(self, step: int, after: int) -> int | None:
+        """The first save of new code in (after, step]: the newest committed step there that a resume across an
+        announced code change saved (trainer/code.py check_resume records `changed_from` in every save of that
+        attempt) and whose predecessor, if any is left, was computed by other code. A new chain of proofs
+        starts there, since the steps before it were computed by other code. None: no such save."""
+        steps = [other for other in committed_steps(self._options.workdir) if other <= step]
+        for index in range(len(steps) - 1, -1, -1):
+            if steps[index] <= after:
+                return None
+            manifest = self._readable(steps[index])
+            if manifest is None or not program_lib.announces_code_change(manifest):
+                continue
+            before = self._readable(steps[index - 1]) if index else None
+            if before is None or program_lib.code_change(_Recorded(manifest), [before]) is not None:
+                return steps[index]
+        return None
+
+    def _readable(self, step: int) -> dict | None:
+        try:
+            return read_manifest(self._options.workdir, step)
+        except CheckpointError:  # unreadable: its own verdict says so; it announces nothing here
+            return None
+
     def anchor_for(self, step: int, manifest: dict, program, disk_anchor: int | None) -> Anchor:
-        """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init."""
+        """The newest proved state before `step`: held in memory, else `disk_anchor` restored, else init; or,
+        where a save after it and before `step` announced a code change, that save (new_chain), restored."""
         fixed_hash = manifest["fixed_hash"]
+        root = self.new_chain(step, self._proved_step(step, manifest, disk_anchor))
+        if root is not None and root < step:
+            # Restored like any step (its fingerprints checked); it is the new chain's origin as the init is
+            # the run's: the replay from it proves the steps after it, never the root itself.
+            restored = self._context.service.restore(root, program.abstract_state).state
+            self._anchor = Anchor(root, restored, fixed_hash,
+                                  program_lib.input_states(self._options.workdir, root, program), root=True)
+            return self._anchor
         held = self._anchor
         if held is not None and held.fixed_hash == fixed_hash and held.step < step and (
                 disk_anchor is None or held.step >= disk_anchor):

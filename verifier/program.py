@@ -22,10 +22,11 @@ at load, by checkpointing/_src/replay.py's missing_members):
 and, optionally: `loss_rtol` and `state_rtol`, relative bounds across layouts that act as floors under
 the noise the verifier measures (verifier/evidence.py; none needed), and `init_loss_rtol` and
 `init_state_rtol`, the same for an interval replayed from the init; and `code`: the identity of the code
-it replays with (for the trainer: version, spec module and source hash, git commit; trainer/code.py),
-compared with the `config["code"]` each manifest recorded: a step computed by other code is never called
-reproduced (code_change below). The verifier's --tolerances replaces the four rtols (with_tolerances
-below). The verifier builds the program on its own mesh and on its other layouts (verifier/layouts.py).
+it replays with (for the trainer: the digests of its traced init, step and batch function, with version,
+spec source hash and git commit for people; trainer/code.py), compared with the `config["code"]` each
+manifest recorded: a step computed by another computation is never called reproduced (code_change
+below). The verifier's --tolerances replaces the four rtols (with_tolerances below). The verifier
+builds the program on its own mesh and on its other layouts (verifier/layouts.py).
 trainer.program.Program is one; examples/own_loop.py builds its own.
 Manifests from before the field was recorded name the trainer's.
 """
@@ -40,6 +41,7 @@ from checkpointing.verification import replay
 from checkpointing.errors import CorruptCheckpointError
 from checkpointing.verification import read_input_states
 from runtime.dispatch import blocks_each_step
+from trainer import code as code_lib
 
 TRAINER_PROGRAM = "trainer.program:replay_program"
 
@@ -96,22 +98,31 @@ def with_tolerances(program, measured):
     return program if measured is None else _Retoleranced(program, measured)
 
 
-CODE_FIELDS = ("version", "spec_module", "spec_sha256", "git_commit")  # not git_dirty: any edit flips it
-
-
 def code_change(program, manifests: list[dict]) -> str | None:
-    """What differs between the code that recorded `manifests` and the code `program` replays with,
-    as 'step S: name old -> new, ...', or None (the same code, or either side records none)."""
+    """What differs between the computation that recorded `manifests` and the one `program` replays with, as
+    'step S: computation.step 3f2a... -> 9c1b..., git_commit ...', or None: the same computation (whatever
+    the commit, version or path), or either side records no code. trainer/code.py `changes` decides: the
+    computation digests where both sides record them, else (a manifest from before them) the version, spec
+    source and git commit."""
     current = getattr(program, "code", None)
     for manifest in manifests:
-        recorded = (manifest.get("config") or {}).get("code")
-        if not (current and isinstance(recorded, dict)):
-            continue
-        changed = [f"{name} {str(recorded.get(name))[:12]} -> {str(current.get(name))[:12]}" for name in CODE_FIELDS
-                   if recorded.get(name) != current.get(name)]
+        changed = code_lib.changes((manifest.get("config") or {}).get("code"), current)
         if changed:
             return f"step {manifest['step']}: {', '.join(changed)}"
     return None
+
+
+def announced_change(manifest: dict) -> str:
+    """What the resume that saved `manifest` announced had changed (trainer/code.py check_resume records it
+    as `changed_from`), '; '-joined; empty if it announced nothing."""
+    changed = ((manifest.get("config") or {}).get("code") or {}).get("changed_from")
+    return "; ".join(str(item) for item in changed) if isinstance(changed, list) else ""
+
+
+def announces_code_change(manifest: dict) -> bool:
+    """Whether `manifest` is a save of a resume across an announced code change: the first save of new code,
+    where a new chain of proofs starts (verifier/chain_proof.py new_chain)."""
+    return bool(announced_change(manifest))
 
 
 def replays_input_state(program) -> bool:

@@ -126,6 +126,14 @@ class StepProver:
         (verifier/resume_proof.py), then the full proof where the budget gives one (verifier/budget.py).
         None: under --follow its probe is still to come (the trainer records it k steps after the save)."""
         manifest = held.manifest
+        foreign = program_lib.code_change(held.program, [manifest])
+        if foreign is not None:
+            # Replayed with this verifier's computation, a step computed by another would differ for that reason
+            # alone: neither proof can decide (never a fail), and its probe is not awaited.
+            return self.verdict(step, manifest, "reproduced", "inconclusive",
+                                f"fingerprints equal; not reproduced: its computation is not the one this verifier "
+                                f"runs ({foreign}); a verifier on the code that computed it proves it "
+                                f"(--reverify={step})", held.durations)
         final = manifest.get("reason") == "final"
         probe = resume_proof.agreed_probe(self._options.workdir, step, manifest)
         if probe is None and collective.decided_by_primary(
