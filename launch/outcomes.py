@@ -8,7 +8,7 @@ from runtime import exit_codes
 
 POD_CODES = re.compile(r"pod exit codes \[([-\d, ]*)\] -> (-?\d+)")
 POD_CODE_MEANINGS = {exit_codes.OK: "success", exit_codes.PREEMPTED: "requeue me", exit_codes.FAILURE: "failure",
-                     exit_codes.BAD_INPUT: "bad input"}
+                     exit_codes.BAD_INPUT: "bad input", exit_codes.UNPROVED: "not every step proved"}
 
 
 def process_outcome(code: int) -> str:
