@@ -33,8 +33,9 @@ from verifier.verifier import Verifier, VerifierOptions
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
 # (--steps, --batch_size, ...) given here is an unknown flag, exit 2, never silently ignored.
 WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's workdir to verify (local path or gs://); read only.")
-MESH = flags.DEFINE_string("mesh", "", "The verifier's own mesh, e.g. data=2; the product must equal this "
-                           "process's device count. Empty: data=<all devices>.")
+MESH = flags.DEFINE_string("mesh", "", "The verifier's own mesh, e.g. data=2: it runs on the first that many of "
+                           "the visible devices (at most all of them), its other layouts too. Empty: data=<all "
+                           "devices>.")
 
 FOLLOW = flags.DEFINE_boolean("follow", False, "Verify steps as they are committed, until the run is done.")
 ONCE = flags.DEFINE_boolean("once", False, "Verify the pending steps and exit.")
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     # --once needs the workdir now; --follow may start before the trainer creates it.
     workdir = check_workdir(WORKDIR.value, must_exist=ONCE.value)  # absolute from here on
     mesh = mesh_lib.parse(MESH.value)
-    mesh_lib.check(mesh, jax.device_count())
+    mesh_lib.check_subset(mesh, jax.device_count())  # fewer: the first devices (runtime/mesh.py)
     reverify = reverify_steps(REVERIFY.value, workdir) if REVERIFY.value else ()
     cache_dir = COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
@@ -111,7 +112,8 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     verifier = Verifier(options, stop)
-    logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
+    logging.info("verifier on %d of %d devices, workdir %s", len(mesh_lib.first_devices(mesh) or jax.devices()),
+                 jax.device_count(), options.workdir)
     if measured is not None:
         logging.info("cross-layout tolerances from --tolerances=%s", measured.describe())
     if ONCE.value:

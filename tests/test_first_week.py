@@ -1,0 +1,76 @@
+"""A new user's first week (issue 58): each documented command run as documented, on real files."""
+
+import os
+
+import jax
+import pytest
+
+from runtime import mesh as mesh_lib
+from tests import helpers
+from tests.tamper import RUN_10
+from verifier import layouts
+from verifier.context import ProofContext, VerifierOptions
+
+
+def test_a_verifier_mesh_smaller_than_the_visible_devices_runs_on_the_first_of_them(tmp_path):
+    options = VerifierOptions(workdir=str(tmp_path), mesh=(("data", 2),))
+    mesh = ProofContext(options, replay=None).mesh()
+    assert list(mesh.devices.flat) == jax.devices()[:2]
+    # the layouts it measures the noise of a layout change on stay on the same two devices
+    for other in layouts.other_meshes(mesh):
+        assert set(other.devices.flat) <= set(jax.devices()[:2]), dict(other.shape)
+    mesh_lib.check_subset((("data", 2),), 8)
+    with pytest.raises(mesh_lib.MeshError, match="has 16 devices but only 8 are visible"):
+        mesh_lib.check_subset((("data", 16),), 8)
+
+
+@pytest.mark.slow
+def test_the_readme_verifier_command_runs_after_the_readme_set_up(trained_copy):
+    """README: XLA_FLAGS fakes 8 devices, then `verifier.verify --mesh=data=2 --once` (was: exit 2)."""
+    config = trained_copy(**RUN_10)
+    result = helpers.run_module("verifier.verify", f"--workdir={config.workdir}", "--mesh=data=2", "--once",
+                                device_count=8)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "verifier on 2 of 8 devices" in result.stderr, result.stderr[-3000:]
+    assert os.path.exists(os.path.join(config.workdir, "verdicts", "10.json"))
+
+
+def train_without_program(workdir: str, steps: int = 4) -> None:
+    """A user's loop whose Checkpointer is opened without program= (documented optional)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from checkpointing import CheckpointConfig, Checkpointer
+
+    mesh = mesh_lib.build({"data": 8})
+    shardings = {"w": NamedSharding(mesh, P()), "step": NamedSharding(mesh, P())}
+    init = jax.jit(lambda: {"w": jnp.ones((4,)), "step": jnp.zeros((), jnp.int32)}, out_shardings=shardings)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(init),
+                            shardings)
+    with Checkpointer(workdir, CheckpointConfig(save_every_steps=2), config={"seed": 0}, fixed=["seed"], mesh=mesh,
+                      total_steps=steps) as checkpointer:
+        state = checkpointer.restore_or_init(abstract, init).state
+        for step in range(steps):
+            state = {"w": state["w"] * 0.5, "step": state["step"] + 1}
+            checkpointer.on_step(step + 1, state, jnp.sum(state["w"]))
+
+
+def test_a_checkpointer_without_program_records_that_the_run_cannot_be_replayed(workdir, caplog):
+    from checkpointing._src import workdir as workdir_lib
+    from verifier import program as program_lib
+
+    train_without_program(workdir)
+    assert "Checkpointer without program=" in caplog.text
+    manifest = workdir_lib.read_manifest(workdir, 4)
+    assert "program" in manifest and manifest["program"] is None
+    with pytest.raises(program_lib.ProgramError, match="without program="):
+        program_lib.load(manifest, mesh_lib.build({"data": 8}))
+
+
+@pytest.mark.slow
+def test_the_verifier_names_the_missing_program_argument(workdir):
+    train_without_program(workdir)
+    result = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--once")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "without program=" in result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
+    assert "trainer.program:replay_program" not in result.stderr, result.stderr[-3000:]
