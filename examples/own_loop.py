@@ -18,13 +18,9 @@ from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from checkpointing import CheckpointConfig, Checkpointer
-from runtime import mesh as mesh_lib
+from checkpointing.config import make_mesh
 
 CONFIG = {"seed": 0, "learning_rate": 3e-3, "hidden": 256, "batch": 64, "features": 32}  # what a resume must keep
-
-
-def make_mesh(text: str) -> jax.sharding.Mesh:
-    return mesh_lib.build(mesh_lib.parse(text))  # '' puts every device on data
 
 
 def replay_program(config: dict, mesh: jax.sharding.Mesh):

@@ -74,3 +74,26 @@ def test_the_verifier_names_the_missing_program_argument(workdir):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "without program=" in result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
     assert "trainer.program:replay_program" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_documented_mesh_runs_a_flax_dropout_model_on_a_data_sharded_batch():
+    """docs/api.md's mesh recipe: checkpointing.config.make_mesh (jax.make_mesh's Explicit axes raised
+    ShardingTypeError in flax's Dropout on a P("data") batch)."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from checkpointing.config import make_mesh
+
+    mesh = make_mesh("data=4,model=2")
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+    model = nn.Sequential([nn.Dense(8), nn.Dropout(0.5, deterministic=False), nn.Dense(1)])
+    batch = jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, P("data")))
+    params = model.init(jax.random.key(0), batch[:1])
+
+    @jax.jit
+    def loss(params, batch, key):
+        return jnp.mean(model.apply(params, batch, rngs={"dropout": key}) ** 2)
+
+    assert bool(jnp.isfinite(loss(params, batch, jax.random.key(1))))
+    assert dict(make_mesh({"data": 2}, jax.devices()[:2]).shape) == {"data": 2, "model": 1}
