@@ -97,3 +97,41 @@ def test_the_documented_mesh_runs_a_flax_dropout_model_on_a_data_sharded_batch()
 
     assert bool(jnp.isfinite(loss(params, batch, jax.random.key(1))))
     assert dict(make_mesh({"data": 2}, jax.devices()[:2]).shape) == {"data": 2, "model": 1}
+
+
+def test_relative_data_flags_are_recorded_absolute_globs_and_prefix_kept(tmp_path, monkeypatch):
+    from trainer import model_config
+    from trainer.program import validate
+
+    monkeypatch.chdir(tmp_path)
+    config = model_config.from_flat({"workdir": "run", "model": "transformer", "mesh": helpers.MESHES["data=8"],
+                                    "batch_size": 32, "seq_len": 32, "vocab_size": 257, "hidden_dim": 32,
+                                    "data": "records:corpus/train-*.array_record",
+                                    "eval_data": "records:~/eval-[0-9]*.array_record"})
+    config = validate(config, 8)
+    assert config.workdir == str(tmp_path / "run")
+    assert config.data == f"records:{tmp_path}/corpus/train-*.array_record"
+    assert config.eval_data == "records:" + os.path.expanduser("~/eval-[0-9]*.array_record")
+    assert validate(model_config.replace(config, data="synthetic", eval_data=""), 8).data == "synthetic"
+
+
+@pytest.mark.slow
+def test_a_run_on_relative_data_flags_verifies_from_another_directory(tmp_path, stdlib_corpus):
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.records_train import lm_flags
+
+    shutil.copytree(stdlib_corpus, tmp_path / "stdlib")
+    relative = [flag.replace(stdlib_corpus, "stdlib") for flag in lm_flags(stdlib_corpus)]
+    train = subprocess.run([sys.executable, "-m", "trainer.train", "--workdir=run", "--mesh=data=4,model=2",
+                            "--steps=8", "--save_every_steps=8", *relative], cwd=tmp_path,
+                           env=helpers.subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    verify = subprocess.run([sys.executable, "-m", "verifier.verify", f"--workdir={tmp_path / 'run'}",
+                             "--mesh=data=2", "--once"], cwd=elsewhere, env=helpers.subprocess_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stderr[-3000:]
