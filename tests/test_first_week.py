@@ -135,3 +135,18 @@ def test_a_run_on_relative_data_flags_verifies_from_another_directory(tmp_path, 
                              "--mesh=data=2", "--once"], cwd=elsewhere, env=helpers.subprocess_env(),
                             capture_output=True, text=True, timeout=300)
     assert verify.returncode == 0, verify.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_readme_prepare_command_runs_twice_and_refuses_other_arguments(tmp_path):
+    out = str(tmp_path / "stdlib")
+    prepare = ["trainer.prepare", f"--out_dir={out}", "--seq_len=32", "--max_files=4"]
+    first = helpers.run_module(*prepare, device_count=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = helpers.disk_state(out)
+    again = helpers.run_module(*prepare, device_count=1)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already holds prepare's output of these arguments" in again.stderr
+    assert helpers.disk_state(out) == before
+    other = helpers.run_module(*prepare[:-1], "--max_files=5", device_count=1)
+    helpers.assert_refused(other, before, "--max_files=5 (it holds 4)")
