@@ -150,3 +150,17 @@ def test_the_readme_prepare_command_runs_twice_and_refuses_other_arguments(tmp_p
     assert helpers.disk_state(out) == before
     other = helpers.run_module(*prepare[:-1], "--max_files=5", device_count=1)
     helpers.assert_refused(other, before, "--max_files=5 (it holds 4)")
+
+
+@pytest.mark.parametrize("module, own", [
+    ("trainer.train", ["--workdir", "--mesh", "--steps", "--save_every_steps", "--data", "--coordinator_address"]),
+    ("verifier.verify", ["--workdir", "--mesh", "--once", "--follow", "--coordinator_address"]),
+    ("trainer.inspect", ["--workdir", "--losses", "--plot"]),
+])
+def test_help_lists_the_programs_own_flags_with_their_help(module, own):
+    result = helpers.run_module(module, "--help", device_count=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    listed = {line.split(":")[0].strip().replace("[no]", "") for line in result.stdout.splitlines()
+              if line.startswith("  --")}
+    assert set(own) <= listed, sorted(listed)
+    assert "--jax_" not in result.stdout and "--verbosity" not in result.stdout, "a library's flags: --helpfull's"

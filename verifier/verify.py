@@ -30,6 +30,9 @@ from verifier import tolerances
 from verifier.ledger import ALL
 from verifier.verifier import Verifier, VerifierOptions
 
+# --help lists the main module's flags: the pod's (runtime/distributed.py) are this program's too.
+flags.adopt_module_key_flags(distributed)
+
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
 # (--steps, --batch_size, ...) given here is an unknown flag, exit 2, never silently ignored.
 WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's workdir to verify (local path or gs://); read only.")
