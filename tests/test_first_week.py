@@ -164,3 +164,38 @@ def test_help_lists_the_programs_own_flags_with_their_help(module, own):
               if line.startswith("  --")}
     assert set(own) <= listed, sorted(listed)
     assert "--jax_" not in result.stdout and "--verbosity" not in result.stdout, "a library's flags: --helpfull's"
+
+
+def test_an_interrupted_intact_verdict_is_never_shown_as_replaying():
+    from checkpointing._src import verdicts
+
+    verdict = verdicts.make(step=10, level="intact", status="pass", detail="restored", checkpoint_mesh={},
+                            verifier_mesh={}, durations_secs={}, complete=False)
+    assert verdicts.summary(verdict) == "intact pass (replaying)"
+    assert verdicts.summary({**verdict, "interrupted": True}) == "intact pass (interrupted)"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_verifier_with_one_line_and_exit_130(trained_copy, tmp_path):
+    import signal
+    import time
+
+    from checkpointing._src import verdicts
+    from runtime import exit_codes
+
+    config = trained_copy(**RUN_10)
+    log = str(tmp_path / "verifier.log")
+    with helpers.started_module("verifier.verify", f"--workdir={config.workdir}", "--mesh=data=2", "--once",
+                                "--measure_noise=false", log_path=log) as verifier:
+        deadline = time.monotonic() + 120
+        while verdicts.read(config.workdir, 10) is None and verifier.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not verdicts.read(config.workdir, 10)["complete"], "the replay ended before the signal"
+        os.kill(verifier.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+        code = verifier.wait(timeout=60)
+    lines = open(log).read().strip().splitlines()
+    assert code == exit_codes.INTERRUPTED, lines[-20:]
+    assert lines[-1] == "verifier stopped by SIGINT: steps [10] still to prove; run it again to prove them", lines[-5:]
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), lines[-20:]
+    inspected = helpers.run_module("trainer.inspect", f"--workdir={config.workdir}", device_count=1)
+    assert "intact pass (interrupted)" in inspected.stdout and "replaying" not in inspected.stdout, inspected.stdout

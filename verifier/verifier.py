@@ -46,7 +46,7 @@ REPLAY_CHUNK_STEPS = 2
 
 
 class Stopped(Exception):
-    """SIGTERM reached the verifier: it stops between replay chunks, writing nothing unfinished."""
+    """SIGTERM or SIGINT reached the verifier: it stops between replay chunks, writing nothing unfinished."""
 
 
 class Verifier:
@@ -100,8 +100,23 @@ class Verifier:
                 written += self._prove_together(plan[first:first + HELD_STATES])
         except Stopped:
             self._held.clear()
-            logging.warning("verifier stopped (SIGTERM): the replay in progress wrote no verdict")
+            self._mark_interrupted(planned)
+            logging.warning("verifier stopped: the replay in progress wrote no verdict")
         return written
+
+    def _mark_interrupted(self, steps) -> None:
+        """The intact verdicts of `steps` still waiting for a replay are marked interrupted, so no reader
+        (inspect) shows a proof as running that nothing runs; complete=false still, so the next verifier
+        run redoes them. Process 0 writes, as every verdict."""
+        if jax.process_index() != 0:
+            return
+        for step in sorted(steps):
+            verdict = verdicts.read(self.options.workdir, step)
+            if verdict is None or verdict["complete"] or verdict["status"] == "error" or verdict.get("interrupted"):
+                continue
+            verdicts.write(self.options.workdir, {**verdict, "interrupted": True,
+                                                  "detail": f"{verdict['detail']}; its replay was interrupted "
+                                                            "(the verifier stopped): the next run redoes it"})
 
     def _check_stop(self) -> None:
         """Raises Stopped once SIGTERM arrived; every process stops at the same point (process 0's

@@ -13,6 +13,7 @@ compares across layouts with what `python -m verifier.calibrate` measured for th
 instead of its spec's.
 """
 
+import os
 import signal
 import threading
 
@@ -88,6 +89,17 @@ def reverify_steps(text: str, workdir: str) -> tuple[int, ...] | str:
     return tuple(sorted({int(part) for part in parts}))
 
 
+def _stop_on(signum: int, stop: threading.Event, stopped_by: list[str]) -> None:
+    """The first SIGINT or SIGTERM stops the verifier at its next replay chunk; a second Ctrl-C exits at once
+    (130): verdicts are written whole or not at all, so nothing is left half-written."""
+    name = signal.Signals(signum).name
+    if stop.is_set() and name == "SIGINT":
+        os.write(2, b"verifier: a second Ctrl-C: exiting at once\n")
+        os._exit(exit_codes.INTERRUPTED)
+    stopped_by.append(name)
+    stop.set()
+
+
 def main(argv: list[str]) -> int:
     if FOLLOW.value == ONCE.value:
         raise ValueError("give exactly one of --follow and --once")
@@ -111,9 +123,11 @@ def main(argv: list[str]) -> int:
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured,
                               measure_noise=MEASURE_NOISE.value, reverify=reverify)
-    # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGTERM and SIGINT stop it between replay chunks (verifier/verifier.py): no unfinished verdict is written,
+    # and an intact verdict whose replay was cut short is marked interrupted (never shown as replaying).
+    stop, stopped_by = threading.Event(), []
+    signal.signal(signal.SIGTERM, lambda signum, _: _stop_on(signum, stop, stopped_by))
+    signal.signal(signal.SIGINT, lambda signum, _: _stop_on(signum, stop, stopped_by))
     verifier = Verifier(options, stop)
     logging.info("verifier on %d of %d devices, workdir %s", len(mesh_lib.first_devices(mesh) or jax.devices()),
                  jax.device_count(), options.workdir)
@@ -123,6 +137,10 @@ def main(argv: list[str]) -> int:
         verifier.verify_pending()
     else:
         verifier.follow(stop, until_step=UNTIL_STEP.value)
+    if stopped_by and stopped_by[0] == "SIGINT":  # a person's Ctrl-C: what is left says how to finish it
+        pending = verifier.pending_steps()
+        exit_codes.exit_interrupted(f"verifier stopped by SIGINT: {'steps ' + str(pending) if pending else 'no step'} "
+                                    "still to prove; run it again to prove them")
     line = verifier.ledger.exit_line(committed_steps(workdir))  # evidence first, then the verifier's faults
     if line is not None:
         raise VerificationFailedError(line)
