@@ -199,3 +199,25 @@ def test_ctrl_c_stops_the_verifier_with_one_line_and_exit_130(trained_copy, tmp_
     assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), lines[-20:]
     inspected = helpers.run_module("trainer.inspect", f"--workdir={config.workdir}", device_count=1)
     assert "intact pass (interrupted)" in inspected.stdout and "replaying" not in inspected.stdout, inspected.stdout
+
+
+@pytest.mark.slow
+def test_a_users_loop_under_run_main_logs_quietly_and_a_held_workdir_is_one_line_exit_2(workdir, tmp_path):
+    import time
+
+    done = helpers.run_module("examples.own_loop", f"--workdir={workdir}", "--mesh=data=4,model=2", "--steps=40")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) < 20 and not any("orbax" in line.lower() for line in lines), "\n".join(lines[:40])
+    log = str(tmp_path / "holder.log")
+    with helpers.started_module("examples.own_loop", f"--workdir={workdir}", "--mesh=data=4,model=2",
+                                "--steps=1000000", "--save_every_steps=1000", log_path=log) as holder:
+        deadline = time.monotonic() + 120
+        while "first checkpoint at" not in open(log).read() and holder.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert holder.poll() is None, open(log).read()[-3000:]
+        second = helpers.run_module("examples.own_loop", f"--workdir={workdir}", "--mesh=data=4,model=2",
+                                    "--steps=1000000")
+    # before: a WorkdirLeasedError traceback and exit 1 (the holder keeps renewing its lease: no disk check)
+    helpers.assert_refused(second, {}, "lease")
