@@ -221,3 +221,51 @@ def test_a_users_loop_under_run_main_logs_quietly_and_a_held_workdir_is_one_line
                                     "--steps=1000000")
     # before: a WorkdirLeasedError traceback and exit 1 (the holder keeps renewing its lease: no disk check)
     helpers.assert_refused(second, {}, "lease")
+
+
+def test_the_inspect_table_fits_120_columns_with_sizes_a_person_reads():
+    from checkpointing.inspection import format_table
+
+    def row(step, processes, mesh, resumed, verdict, size):
+        return {"step": step, "bytes": size, "mesh": mesh, "processes": processes, "platform": "TPU v5 lite",
+                "saved_at": "2026-12-07T08:59:26+00:00", "reason": "preemption", "resumed_from": resumed,
+                "losses": "0.4817..1.161 (139)", "verdict": verdict}
+
+    rows = [row(50, 2, "data=4,model=2", "-", "reproduced pass", 1000),  # the README's demo, its verdicts longest
+            row(161, 2, "data=4,model=2", "75 (local)", "intact pass (interrupted)", 3 * 2**30 // 2),
+            row(100000, 4, "data=256,model=8", "161 (persistent)", "reproduced pass", 999 * 2**20)]
+    lines = format_table(rows).splitlines()
+    assert max(len(line) for line in lines) <= 120, "\n".join(lines)
+    assert lines[0] == "every step: platform TPU v5 lite, saved on 2026-12-07 (UTC)", lines[0]
+    assert lines[1].split()[:4] == ["step", "size", "mesh", "(procs)"], lines[1]
+    assert "1000 B" in lines[2] and "1.5 GiB" in lines[3] and "999.0 MiB" in lines[4] and " 08:59 " in lines[2]
+    assert "data=256,model=8 (4)" in lines[4] and "161 " in lines[4] and "persistent" not in lines[4]
+
+
+def test_the_plot_says_what_the_run_was_keeps_markers_visible_and_leaves_the_width_to_the_curves():
+    from checkpointing._src import plot, plot_draw
+    from checkpointing._src.history import Attempt
+    from trainer.inspect import run_name
+
+    layout = "data=4,model=2 (2 processes)"
+    attempts = [Attempt(1, 0, None, layout, list(range(12)), [10.0 - s for s in range(12)]),
+                Attempt(2, 10, "local", layout, list(range(10, 20)), [9.0 - s for s in range(10, 20)])]
+    losses = [10.0 - s for s in range(10)] + [9.0 - s for s in range(10, 20)]
+    checkpoints = [plot.Checkpoint(10, 1.0, "reproduced pass", "tab:green"),
+                   plot.Checkpoint(20, -10.0, "intact pass (replaying)", "tab:cyan")]
+    run = plot.Series(list(range(20)), losses, checkpoints, [], [plot.Resume(10, layout, "local")], attempts,
+                      crashes=[12], eval_steps=[10, 20], eval_values=[1.0, -10.0])
+    assert plot.summary(run) == ("20 steps in 2 attempts (1 crash); 2 checkpoints, 1 intact pass (replaying), "
+                                 "1 reproduced pass")
+    assert run_name("/home/me/runs/lm/") == "runs/lm" and run_name("lm") == "lm"
+    picture = plot_draw.figure(run, title="runs/lm: " + plot.summary(run))
+    picture.canvas.draw()
+    (axes,) = picture.axes
+    crash = [line for line in axes.get_lines() if line.get_linestyle() == "-."]
+    assert [line.get_xdata()[0] for line in crash] == [10], "at the end of the crashed attempt's shading"
+    points = {collection.get_label(): collection for collection in axes.collections if collection.get_label()}
+    evals = points["eval loss (held-out batches)"]
+    assert all(points[f"checkpoint: {v}"].get_zorder() > evals.get_zorder() for v in ("reproduced pass",))
+    assert evals.get_facecolors().size == 0 or evals.get_facecolors()[0][3] == 0, "hollow: the checkpoint shows"
+    width = axes.get_window_extent().width / picture.bbox.width
+    assert width > 0.85, f"the axes take {width:.0%} of the width; the legend the rest"

@@ -20,8 +20,8 @@ import sys
 from absl import flags
 
 from checkpointing.inspection import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table,
-                                      plot_series, proof_series, read_history, read_manifest, reference_loss,
-                                      table_rows)
+                                      plot_series, plot_summary, proof_series, read_history, read_manifest,
+                                      reference_loss, table_rows)
 from checkpointing.config import resolve_path
 from runtime import entry
 from trainer import models
@@ -56,8 +56,8 @@ def _check_plot_flags() -> None:
 
 
 def run_name(workdir: str) -> str:
-    """A picture's title: the workdir's own name, not the machine's path to it."""
-    return workdir.rstrip("/").rsplit("/", 1)[-1] or workdir
+    """The run's name in a picture's title: the workdir and its parent ('runs/lm'), not the machine's whole path."""
+    return "/".join(workdir.rstrip("/").rsplit("/", 2)[-2:]).lstrip("/") or workdir
 
 
 def loss_tolerance(workdir: str) -> float:
@@ -76,7 +76,8 @@ def _plot(workdir: str) -> str:
     run = plot_series(workdir)
     reference = reference_loss(resolve_path(REFERENCE.value, "--reference")) if REFERENCE.value else None
     proof = proof_series(run, reference, loss_tolerance(workdir)) if reference else None
-    draw_plot(run, PLOT.value, title=run_name(workdir), reference=reference, proof=proof)
+    title = f"{run_name(workdir)}: {plot_summary(run)}" + (" (grey: the reference run's loss)" if reference else "")
+    draw_plot(run, PLOT.value, title=title, reference=reference, proof=proof)
     return PLOT.value
 
 
