@@ -76,6 +76,7 @@ def test_the_verifier_names_the_missing_program_argument(workdir):
     assert "trainer.program:replay_program" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.slow  # flax's import and a compile: 2-5 s here
 def test_the_documented_mesh_runs_a_flax_dropout_model_on_a_data_sharded_batch():
     """docs/api.md's mesh recipe: checkpointing.config.make_mesh (jax.make_mesh's Explicit axes raised
     ShardingTypeError in flax's Dropout on a P("data") batch)."""
@@ -104,9 +105,8 @@ def test_relative_data_flags_are_recorded_absolute_globs_and_prefix_kept(tmp_pat
     from trainer.program import validate
 
     monkeypatch.chdir(tmp_path)
-    config = model_config.from_flat({"workdir": "run", "model": "transformer", "mesh": helpers.MESHES["data=8"],
-                                    "batch_size": 32, "seq_len": 32, "vocab_size": 257, "hidden_dim": 32,
-                                    "data": "records:corpus/train-*.array_record",
+    config = model_config.from_flat({"workdir": "run", "model": "mlp", "mesh": helpers.MESHES["data=8"],
+                                    "batch_size": 32, "data": "records:corpus/train-*.array_record",
                                     "eval_data": "records:~/eval-[0-9]*.array_record"})
     config = validate(config, 8)
     assert config.workdir == str(tmp_path / "run")
@@ -152,6 +152,7 @@ def test_the_readme_prepare_command_runs_twice_and_refuses_other_arguments(tmp_p
     helpers.assert_refused(other, before, "--max_files=5 (it holds 4)")
 
 
+@pytest.mark.slow  # a subprocess each
 @pytest.mark.parametrize("module, own", [
     ("trainer.train", ["--workdir", "--mesh", "--steps", "--save_every_steps", "--data", "--coordinator_address"]),
     ("verifier.verify", ["--workdir", "--mesh", "--once", "--follow", "--coordinator_address"]),
@@ -245,7 +246,6 @@ def test_the_inspect_table_fits_120_columns_with_sizes_a_person_reads():
 def test_the_plot_says_what_the_run_was_keeps_markers_visible_and_leaves_the_width_to_the_curves():
     from checkpointing._src import plot, plot_draw
     from checkpointing._src.history import Attempt
-    from trainer.inspect import run_name
 
     layout = "data=4,model=2 (2 processes)"
     attempts = [Attempt(1, 0, None, layout, list(range(12)), [10.0 - s for s in range(12)]),
@@ -257,8 +257,9 @@ def test_the_plot_says_what_the_run_was_keeps_markers_visible_and_leaves_the_wid
                       crashes=[12], eval_steps=[10, 20], eval_values=[1.0, -10.0])
     assert plot.summary(run) == ("20 steps in 2 attempts (1 crash); 2 checkpoints, 1 intact pass (replaying), "
                                  "1 reproduced pass")
-    assert run_name("/home/me/runs/lm/") == "runs/lm" and run_name("lm") == "lm"
-    picture = plot_draw.figure(run, title="runs/lm: " + plot.summary(run))
+    assert plot.title("/home/me/runs/lm/", run) == "runs/lm: " + plot.summary(run)
+    assert plot.title("lm", run).startswith("lm: ")
+    picture = plot_draw.figure(run, title=plot.title("/home/me/runs/lm/", run))
     picture.canvas.draw()
     (axes,) = picture.axes
     crash = [line for line in axes.get_lines() if line.get_linestyle() == "-."]
@@ -269,3 +270,27 @@ def test_the_plot_says_what_the_run_was_keeps_markers_visible_and_leaves_the_wid
     assert evals.get_facecolors().size == 0 or evals.get_facecolors()[0][3] == 0, "hollow: the checkpoint shows"
     width = axes.get_window_extent().width / picture.bbox.width
     assert width > 0.85, f"the axes take {width:.0%} of the width; the legend the rest"
+
+
+def test_no_fast_test_starts_an_entry_point():
+    """The fast tier stays about a minute on 2 cores: a test that runs one of our entry points as a process
+    (helpers.run_module, helpers.started_module: JAX's import alone is about a second) is marked slow, as
+    pyproject.toml's marker says. Found by reading each test's source, so it costs nothing to run."""
+    import ast
+    import pathlib
+
+    unmarked = []
+    for path in sorted(pathlib.Path(helpers.REPO_ROOT, "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if any(isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node.targets[0]) and "slow" in
+               ast.unparse(node.value) for node in tree.body):
+            continue
+        for node in tree.body:
+            if not (isinstance(node, ast.FunctionDef) and node.name.startswith("test_")) or \
+                    any("slow" in ast.unparse(decorator) for decorator in node.decorator_list):
+                continue
+            called = {getattr(call.func, "attr", getattr(call.func, "id", None)) for call in ast.walk(node)
+                      if isinstance(call, ast.Call)}
+            if called & {"run_module", "started_module"}:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert not unmarked, "fast tests that start an entry point (mark them slow):\n" + "\n".join(unmarked)

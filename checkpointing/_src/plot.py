@@ -171,6 +171,12 @@ def summary(run: Series) -> str:
     return text
 
 
+def title(workdir: str, run: Series) -> str:
+    """A picture's title: the workdir and its parent ('runs/lm', not the machine's whole path) and summary()."""
+    name = "/".join(workdir.rstrip("/").rsplit("/", 2)[-2:]).lstrip("/") or workdir
+    return f"{name}: {summary(run)}"
+
+
 def reference_loss(workdir: str) -> tuple[list[int], list[float]]:
     """The whole history of a reference run, (steps, losses)."""
     losses = read_history(workdir).losses
