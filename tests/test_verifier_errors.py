@@ -75,7 +75,7 @@ def test_a_verifier_without_the_users_package_writes_errors_and_a_rerun_with_it_
     assert helpers.fault_line(verify(workdir, "--once"), 1) == line
     assert states(workdir) == {20: ("intact", "error", False), 40: ("intact", "error", False)}
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
-    assert [row.split()[-2:] for row in table.stdout.splitlines()[1:]] == [["intact", "error"]] * 2, table.stdout
+    assert [row.split()[-2:] for row in table.stdout.splitlines()[2:]] == [["intact", "error"]] * 2, table.stdout
     # --follow tries each step once and ends with the run's final step: no step is retried in a loop.
     followed = verify(workdir, "--follow", "--poll_secs=0.1", "--max_poll_secs=0.2")
     assert helpers.fault_line(followed, 1) == line

@@ -99,8 +99,8 @@ class Verifier:
                 self._check_stop()
                 written += self._prove_together(plan[first:first + HELD_STATES])
         except Stopped:
+            self._mark_interrupted(planned | set(self._held) | self._intact_only)
             self._held.clear()
-            self._mark_interrupted(planned)
             logging.warning("verifier stopped: the replay in progress wrote no verdict")
         return written
 
@@ -278,6 +278,8 @@ class Verifier:
             if self._watch is not None:
                 self._watch.wait(delay, stop)
             delay = min(delay * 2, self.options.max_poll_secs)
+        if stop.is_set():  # stopped while idle: steps held for a probe still to come are not replaying either
+            self._mark_interrupted(self._planned | set(self._held) | self._intact_only)
         return written
 
     def _agreed_plan(self) -> list[tuple[int, int | None]]:
