@@ -1,7 +1,8 @@
 """A checkpoint service for JAX state trees, on Orbax. Knows nothing about models.
 
 A training loop saves and resumes with five names: `CheckpointConfig`, `Checkpointer`, its
-`restore_or_init` and `on_step`, and `Preempted`; the rest of this module's names are what those
+`restore_or_init` and `on_step`, and `Preempted`; `run_main` runs a loop's `main` under the trainer's
+exit codes, one-line errors and quiet library logs; the rest of this module's names are what those
 return or take. `checkpointing.errors` holds the errors; `checkpointing.config` the parts a config of
 one's own composes. Two thin public modules serve tools built on the service: `checkpointing.inspection`
 (what a workdir holds, read only: our trainer's metrics and `inspect`) and `checkpointing.verification`
@@ -16,7 +17,7 @@ import importlib
 _PUBLIC = {
     "Checkpointer": "_src.checkpointer", "CheckpointConfig": "config", "RestoreResult": "_src.restore",
     "SaveEvent": "_src.saver", "Preempted": "_src.saver", "Workdir": "_src.workdir", "ReplayProgram": "_src.replay",
-    "restore_subtree": "_src.partial", "ConfigError": "config",
+    "restore_subtree": "_src.partial", "ConfigError": "config", "run_main": "_src.main",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -8,7 +8,9 @@ trainer's flags are generated from it and `check_fields` validates it, so each l
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 
+from runtime import mesh as mesh_lib
 from runtime.mesh import format_mesh  # noqa: F401  (re-exported: checkpointing.format_mesh)
 
 AUTO = "auto"  # --save_every_secs=auto: the interval that maximises goodput (checkpointing/_src/policy.py)
@@ -64,6 +66,16 @@ def resolve_path(value: str, flag: str) -> str:
     if not value or "://" in value:
         return value
     return os.path.abspath(os.path.expanduser(value))
+
+
+def make_mesh(mesh: str | Mapping[str, int] = "", devices=None):
+    """The jax Mesh a loop of one's own should train on: axes `data` and `model` ("data=4,model=2", or
+    {"data": 4, "model": 2}; a missing axis is 1; "" puts every device on data) over `devices` (default:
+    all). Its axes are Auto, so shardings are given at the jit boundaries and flax's Dropout works on a
+    batch sharded P("data"): jax.make_mesh's default on jax 0.10, Explicit axes, makes it raise
+    ShardingTypeError. The trainer, the verifier and the examples build theirs with it (runtime/mesh.py)."""
+    pairs = mesh_lib.parse(mesh, "mesh") if isinstance(mesh, str) else tuple(mesh.items())
+    return mesh_lib.build(pairs, devices)
 
 
 def parse_save_every_secs(value) -> float | str:

@@ -5,6 +5,7 @@ implementation is checkpointing/_src/."""
 from checkpointing._src.history import attempt_record, last_attempt_id, layout_of, read_history
 from checkpointing._src.input_state import read_input_states
 from checkpointing._src.plot import FORMATS as PLOT_FORMATS, series as plot_series, proof_series, reference_loss
+from checkpointing._src.plot import summary as plot_summary, title as plot_title
 from checkpointing._src.plot_draw import draw as draw_plot
 from checkpointing._src.report import format_table, table_rows
 from checkpointing._src.storage import check_workdir

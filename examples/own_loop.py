@@ -14,17 +14,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from absl import app, flags
+from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from checkpointing import CheckpointConfig, Checkpointer
-from runtime import mesh as mesh_lib
+from checkpointing import CheckpointConfig, Checkpointer, run_main
+from checkpointing.config import make_mesh
 
 CONFIG = {"seed": 0, "learning_rate": 3e-3, "hidden": 256, "batch": 64, "features": 32}  # what a resume must keep
-
-
-def make_mesh(text: str) -> jax.sharding.Mesh:
-    return mesh_lib.build(mesh_lib.parse(text))  # '' puts every device on data
 
 
 def replay_program(config: dict, mesh: jax.sharding.Mesh):
@@ -83,4 +79,4 @@ if __name__ == "__main__":  # flags only here: the verifier imports this module 
     flags.DEFINE_string("mesh", "", "data=N,model=M (default: data=<all devices>).")
     flags.DEFINE_integer("steps", 100, "Steps to train.")
     flags.DEFINE_integer("save_every_steps", 20, "Save cadence.")
-    app.run(main)
+    run_main(main)  # the trainer's exit codes and one-line errors (a held lease: exit 2), quiet Orbax logs

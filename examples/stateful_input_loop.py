@@ -26,6 +26,7 @@ from absl import flags  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from checkpointing import CheckpointConfig, Checkpointer  # noqa: E402
+from checkpointing.config import make_mesh  # noqa: E402
 from runtime import entry  # noqa: E402
 
 # What a resume must keep. About 40% of the rows are dropped, so step s reads past row s*batch.
@@ -111,7 +112,7 @@ def main(argv):
     del argv
     distributed.initialize()
     args = flags.FLAGS
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    mesh = make_mesh()  # every device on data (checkpointing.config.make_mesh: Auto axes)
     program = replay_program(CONFIG, mesh)
     iterator = input_iterator(CONFIG, jax.process_index(), jax.process_count())
     options = CheckpointConfig(save_every_steps=args.save_every_steps, max_to_keep=100)

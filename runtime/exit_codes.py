@@ -14,7 +14,8 @@ FAILURE = 1  # a crash, a failed verdict (verifier), a dead or stuck peer, a sav
 BAD_INPUT = 2  # bad flags, a checkpoint that does not match the program, an unusable workdir
 UNPROVED = 3  # the verifier: no step failed, but some step it judged is not proved (intact only, inconclusive, error)
 PREEMPTED = 75  # EX_TEMPFAIL: preempted, the final checkpoint committed, requeue me
-INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl-C exited at once; a save in flight never committed
+INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl-C exited at once (a save in flight never committed); the
+# verifier stopped by Ctrl-C (its pending steps are proved by its next run)
 
 
 class Fault(Exception):
@@ -42,6 +43,13 @@ def exit_bad_input(error: Exception) -> None:
     sys.stderr.write(f"error: {error}\n")
     sys.stderr.flush()
     sys.exit(BAD_INPUT)
+
+
+def exit_interrupted(line: str) -> None:
+    """A process a person stopped with Ctrl-C: one line on stderr, then exit INTERRUPTED (no traceback)."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+    sys.exit(INTERRUPTED)
 
 
 HELP_FLAGS = ("help", "?", "helpshort", "helpfull", "helpxml")  # absl's own, each printing and exiting 1

@@ -7,6 +7,7 @@ all go through here, so a mesh reads and builds the same everywhere.
     format_mesh({"data": 4, "model": 2})   # 'data=4,model=2' (a manifest's dict, or pairs)
 """
 
+import math
 from collections.abc import Iterable, Mapping
 
 AXES = ("data", "model")  # every mesh has both, in this order (a missing axis is 1)
@@ -40,6 +41,25 @@ def check(mesh: Iterable[tuple[str, int]], device_count: int, flag: str = "--mes
     if mesh and total != device_count:
         raise MeshError(f"{flag}={format_mesh(mesh)} has {total} devices but {device_count} are visible"
                         + (_fake_devices_hint(total) if total > device_count else ""))
+
+
+def check_subset(mesh: Iterable[tuple[str, int]], device_count: int, flag: str = "--mesh") -> None:
+    """A mesh for a process that may leave devices idle (the verifier): it needs at most the visible devices
+    and runs on the first of them (`first_devices`), so a shell that fakes 8 CPU devices for the trainer
+    runs `--mesh=data=2` as given."""
+    total = math.prod(size for _, size in mesh)
+    if mesh and total > device_count:
+        raise MeshError(f"{flag}={format_mesh(mesh)} has {total} devices but only {device_count} are visible"
+                        + _fake_devices_hint(total))
+
+
+def first_devices(mesh: Iterable[tuple[str, int]]) -> list | None:
+    """The devices a subset mesh runs on: the first N of jax.devices() for a mesh of N devices, in
+    jax.devices()' order on CPU and TPU alike; None (all of them) for an empty mesh."""
+    import jax  # not at import: see build
+
+    mesh = tuple(mesh)
+    return jax.devices()[:math.prod(size for _, size in mesh)] if mesh else None
 
 
 def _fake_devices_hint(wanted: int) -> str:

@@ -272,9 +272,9 @@ def test_inspect_lists_committed_steps_and_prints_losses(workdir, trained_copy):
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
     assert table.returncode == 0, table.stderr
     rows = table.stdout.strip().splitlines()
-    assert rows[0].split()[:2] == ["step", "bytes"]
-    assert [row.split()[0] for row in rows[1:]] == ["10", "20", "30"]
-    assert "data=4,model=2" in rows[1]
+    assert rows[0].startswith("every step: processes 1, platform cpu") and rows[1].split()[:2] == ["step", "size"]
+    assert [row.split()[0] for row in rows[2:]] == ["10", "20", "30"]
+    assert "data=4,model=2" in rows[2] and "KiB" in rows[2]
     losses = helpers.run_module("trainer.inspect", f"--workdir={workdir}", "--losses")
     recorded = json.loads(losses.stdout)
     assert list(recorded) == [str(s) for s in range(30)]

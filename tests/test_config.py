@@ -106,6 +106,7 @@ def test_replace_names_checkpoint_fields_directly():
     assert config.steps == 7 and config.checkpoint.lease_secs == 5.0
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_verifier_refuses_a_trainer_flag(tmp_path):
     """The verifier reads the run's config from its manifests: a trainer flag would be silently ignored."""
     result = helpers.run_module("verifier.verify", f"--workdir={tmp_path}", "--once", "--steps=5", timeout=120)

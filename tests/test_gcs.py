@@ -43,8 +43,8 @@ def test_save_restore_retention_verify_and_inspect_on_gcs(gcs_env, tmp_path):
     assert committed_steps(workdir) == [40, 50]
     table = run("trainer.inspect", f"--workdir={workdir}", gcs_env=gcs_env)
     assert table.returncode == 0, table.stderr[-2000:]
-    assert [row.split()[0] for row in table.stdout.strip().splitlines()[1:]] == ["40", "50"]
-    assert "reproduced pass" in table.stdout.splitlines()[1]
+    assert [row.split()[0] for row in table.stdout.strip().splitlines()[2:]] == ["40", "50"]  # after the shared line
+    assert "reproduced pass" in table.stdout.splitlines()[2]
     local = str(tmp_path / "local")
     reference = helpers.run_module("trainer.train", f"--workdir={local}", "--steps=50", "--max_to_keep=100", *TRAIN)
     assert reference.returncode == 0

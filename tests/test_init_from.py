@@ -87,6 +87,7 @@ def test_a_gone_init_from_source_leaves_the_first_full_proof_inconclusive_and_ev
         ("reproduced", "pass", 10), ("reproduced", "pass", 20)], [found[s]["detail"] for s in (20, 30)]
 
 
+@pytest.mark.slow  # trains the source run
 def test_init_from_a_step_that_is_not_committed_is_refused_with_one_line(trained_runs, tmp_path):
     source, workdir = trained_runs(**SOURCE), str(tmp_path / "run")
     before = helpers.disk_state(workdir, source)
@@ -94,6 +95,7 @@ def test_init_from_a_step_that_is_not_committed_is_refused_with_one_line(trained
     helpers.assert_refused(result, before, f"--init_from={source}:25: not a committed step", "[10, 20, 30]")
 
 
+@pytest.mark.slow  # trains the source run (when no slow test did first)
 def test_the_imported_params_are_checked_against_the_recorded_digest(trained_copy, tmp_path):
     """The verifier (and a fresh start) use an imported step only if it is the save the run recorded."""
     from checkpointing._src.restore import fresh_state

@@ -112,6 +112,7 @@ def test_progress_line_is_logged_at_the_log_cadence(tmp_path, caplog):
     assert "progress 10/10 (100%) eta 0m00s" in lines[-1] and "last committed" in lines[-1]
 
 
+@pytest.mark.slow  # trains 30 steps
 def test_the_progress_line_shows_each_commit_the_trainer_sees_at_once_not_at_the_next_re_read(tmp_path, caplog):
     """The status is re-read every 10 s; a run this short would show "last committed -" throughout. Once the
     save of S is handed off, the save before it has committed (Orbax waits for it): every later line names it."""

@@ -224,10 +224,15 @@ def test_prepare_is_deterministic_and_splits_train_from_eval_by_file(tmp_path):
     assert "def " in text and "import " in text  # Python sources, as bytes
 
 
-def test_prepare_refuses_a_folder_that_holds_files(tmp_path):
-    stdlib_corpus(tmp_path, "a")
+def test_prepare_keeps_its_own_output_and_refuses_a_folder_that_holds_other_files(tmp_path):
+    first = stdlib_corpus(tmp_path, "a")
     before = folder_bytes(str(tmp_path / "a"))
-    with pytest.raises(data_input.CorpusError, match="not an empty folder"):
-        stdlib_corpus(tmp_path, "a")
+    assert stdlib_corpus(tmp_path, "a") == first  # the same arguments again: its own output, kept
+    with pytest.raises(data_input.CorpusError, match="other arguments: --max_bytes=100000"):
+        stdlib_corpus(tmp_path, "a", max_bytes=100000)
     assert folder_bytes(str(tmp_path / "a")) == before
-    assert sorted(os.listdir(tmp_path)) == ["a"], "no staging folder left behind"
+    os.makedirs(tmp_path / "b")
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    with pytest.raises(data_input.CorpusError, match="not an empty folder, nor prepare's finished output"):
+        stdlib_corpus(tmp_path, "b")
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"], "no staging folder left behind"

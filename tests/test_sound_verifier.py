@@ -163,7 +163,8 @@ def test_exit_codes_say_proved_only_when_every_step_is_proved(trained_copy):
                                device_count=1, timeout=600)
     assert alone.returncode == exit_codes.UNPROVED, alone.stderr[-2000:]
     last = alone.stderr.strip().splitlines()[-1]
-    assert last.startswith("unproved: 0 of 2 committed steps proved, 0 failed, 2 unproved"), last
+    assert last.startswith("unproved: not proved: 10: reproduced inconclusive, 20: reproduced inconclusive"), last
+    assert last.endswith("(0 of 2 committed steps proved, 0 failed, 2 unproved)"), last
     proved = helpers.run_module("verifier.verify", f"--workdir={config.workdir}", "--mesh=data=4,model=2", "--once",
                                 "--reverify=all", device_count=8, timeout=600)
     assert proved.returncode == 0, proved.stderr[-2000:]

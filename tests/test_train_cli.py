@@ -36,6 +36,7 @@ def test_bad_flags_exit_2_with_one_line(workdir, flags, message):
     helpers.assert_refused(result, before, message)
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_command_itself_exits_2_with_one_line(workdir):
     """The subprocess smoke test of the cases above: the real entry point, its real stderr."""
     before = helpers.disk_state(workdir)

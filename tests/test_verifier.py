@@ -209,6 +209,6 @@ def test_retention_never_deletes_the_newest_verified_step(workdir, trained_copy)
 def test_inspect_shows_each_steps_verdict(workdir, trained):
     verify_in_process(workdir)
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
-    rows = table.stdout.strip().splitlines()
+    rows = table.stdout.strip().splitlines()[1:]  # after the line of what every step shares
     assert rows[0].split()[-1] == "verdict"
     assert all(row.endswith("reproduced pass") for row in rows[1:4])

@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from checkpointing._src import verdicts
+from runtime import exit_codes
 from tests import eio, helpers
 from tests.tamper import RUN
 
@@ -70,15 +71,15 @@ def test_a_verifier_without_the_users_package_writes_errors_and_a_rerun_with_it_
     workdir = str(tmp_path / "run")
     shutil.copytree(trained, workdir)
     before = helpers.committed_snapshot(workdir)
-    line = (f"error: the verifier could not prove steps [20, 40]: program {PROGRAM}: cannot import it "
-            "(ModuleNotFoundError: No module named 'mypkg')")
-    assert helpers.fault_line(verify(workdir, "--once"), 1) == line
+    line = (f"unproved: the verifier could not prove steps [20, 40]: program {PROGRAM}: cannot import it "
+            "(ModuleNotFoundError: No module named 'mypkg') (0 of 2 committed steps proved, 0 failed, 2 unproved)")
+    assert helpers.fault_line(verify(workdir, "--once"), exit_codes.UNPROVED) == line
     assert states(workdir) == {20: ("intact", "error", False), 40: ("intact", "error", False)}
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}")
-    assert [row.split()[-2:] for row in table.stdout.splitlines()[1:]] == [["intact", "error"]] * 2, table.stdout
+    assert [row.split()[-2:] for row in table.stdout.splitlines()[2:]] == [["intact", "error"]] * 2, table.stdout
     # --follow tries each step once and ends with the run's final step: no step is retried in a loop.
     followed = verify(workdir, "--follow", "--poll_secs=0.1", "--max_poll_secs=0.2")
-    assert helpers.fault_line(followed, 1) == line
+    assert helpers.fault_line(followed, exit_codes.UNPROVED) == line
     assert [followed.stderr.count(f"step {step}: the verifier could not prove it") for step in (20, 40)] == [1, 1]
     # The fault fixed, the next run proves them: nothing to delete by hand.
     proved = verify(workdir, "--once", PYTHONPATH=with_package(root))
@@ -92,8 +93,8 @@ def test_a_replay_out_of_memory_is_an_error_and_the_next_run_proves_the_steps(us
     workdir, short_of_memory = str(tmp_path / "run"), tmp_path / "short"
     shutil.copytree(trained, workdir)
     write_package(short_of_memory, OUT_OF_MEMORY)
-    line = helpers.fault_line(verify(workdir, "--once", PYTHONPATH=with_package(short_of_memory)), 1)
-    assert line.startswith("error: the verifier could not prove steps [20, 40]: out of memory on the verifier's "
+    line = helpers.fault_line(verify(workdir, "--once", PYTHONPATH=with_package(short_of_memory)), exit_codes.UNPROVED)
+    assert line.startswith("unproved: the verifier could not prove steps [20, 40]: out of memory on the verifier's "
                            "devices (RESOURCE_EXHAUSTED: "), line
     assert states(workdir) == {20: ("reproduced", "error", False), 40: ("reproduced", "error", False)}
     proved = verify(workdir, "--once", PYTHONPATH=with_package(root))
@@ -113,9 +114,9 @@ def test_a_lasting_eio_is_an_error_naming_the_step_and_the_next_run_proves_it(tm
     result, injected = verify_under_eio(tmp_path, config.workdir, eio.array_files(config.workdir, [30]))
     assert injected >= 4, "the reads were not failed: the test proves nothing"
     path = helpers.checkpoint_dir(config.workdir, "30")
-    line = helpers.fault_line(result, 1)
-    assert line.startswith(f"error: the verifier could not prove steps [30]: step 30: reading its arrays from {path} "
-                           f"failed 4 times: input/output error: {path}/state/"), line
+    line = helpers.fault_line(result, exit_codes.UNPROVED)
+    assert line.startswith(f"unproved: the verifier could not prove steps [30]: step 30: reading its arrays from "
+                           f"{path} failed 4 times: input/output error: {path}/state/"), line
     assert states(config.workdir) == {10: ("reproduced", "pass", True), 20: ("reproduced", "pass", True),
                                       30: ("intact", "error", False)}
     again = helpers.run_module("verifier.verify", f"--workdir={config.workdir}", "--mesh=data=8", "--once")

@@ -160,6 +160,22 @@ def check_mesh(mesh: tuple[tuple[str, int], ...], device_count: int) -> None:
         raise ConfigError(str(err)) from None
 
 
+RECORDS_PREFIX = "records:"  # trainer/input/records.py's PREFIX, here so a synthetic run imports no Grain
+
+
+def resolve_data_flag(value: str, flag: str) -> str:
+    """--data/--eval_data as the manifests record them: `records:<glob>` with the glob's local path made
+    absolute once (as --workdir: a verifier started in another directory reads the same files), '~'
+    expanded, its wildcards kept; `synthetic`, empty, another scheme and a bad value unchanged (the data's
+    own check names a bad one). Not resolve_path: a glob's wildcards are its point."""
+    if not value.startswith(RECORDS_PREFIX):
+        return value
+    pattern = value[len(RECORDS_PREFIX):]
+    if not pattern or "://" in pattern:
+        return value
+    return RECORDS_PREFIX + os.path.abspath(os.path.expanduser(pattern))
+
+
 def validate_workdir(workdir: str) -> None:
     """A local workdir must be a writable directory, or missing with a writable directory as its
     nearest existing parent; gs:// is checked on use. Nothing is created: the trainer makes the

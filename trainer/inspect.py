@@ -20,8 +20,8 @@ import sys
 from absl import flags
 
 from checkpointing.inspection import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table,
-                                      plot_series, proof_series, read_history, read_manifest, reference_loss,
-                                      table_rows)
+                                      plot_series, plot_title, proof_series, read_history, read_manifest,
+                                      reference_loss, table_rows)
 from checkpointing.config import resolve_path
 from runtime import entry
 from trainer import models
@@ -55,11 +55,6 @@ def _check_plot_flags() -> None:
         check_workdir(REFERENCE.value, must_exist=True, flag="--reference")
 
 
-def run_name(workdir: str) -> str:
-    """A picture's title: the workdir's own name, not the machine's path to it."""
-    return workdir.rstrip("/").rsplit("/", 1)[-1] or workdir
-
-
 def loss_tolerance(workdir: str) -> float:
     """The model's cross-layout loss tolerance (its spec's cross_mesh_loss_rtol), read from the newest
     committed manifest's config; 0 where the model cannot be resolved here (then no tolerance line)."""
@@ -76,7 +71,8 @@ def _plot(workdir: str) -> str:
     run = plot_series(workdir)
     reference = reference_loss(resolve_path(REFERENCE.value, "--reference")) if REFERENCE.value else None
     proof = proof_series(run, reference, loss_tolerance(workdir)) if reference else None
-    draw_plot(run, PLOT.value, title=run_name(workdir), reference=reference, proof=proof)
+    title = plot_title(workdir, run) + (" (grey: the reference run's loss)" if reference else "")
+    draw_plot(run, PLOT.value, title=title, reference=reference, proof=proof)
     return PLOT.value
 
 

@@ -3,8 +3,9 @@
 Turns a folder of text files (default: the Python standard library's sources) into ArrayRecord
 shards of seq_len + 1 int32 tokens with a train/eval split and metadata.json; the trainer reads
 them with --data=records:OUT/train-*.array_record (docs/data.md). Kept short on purpose:
-trainer/input/shards.py's prepare() does the work (tests call it). Exit 0 done; 2 bad input,
-one `error:` line and nothing written.
+trainer/input/shards.py's prepare() does the work (tests call it). Exit 0 done, or --out_dir already
+held prepare's output of the same arguments and corpus (so `prepare && train` runs again); 2 bad input,
+other arguments' output included: one `error:` line and nothing written.
 """
 
 from absl import flags
@@ -13,7 +14,8 @@ from runtime import entry
 from trainer.input import corpus, shards
 
 CORPUS_DIR = flags.DEFINE_string("corpus_dir", None, "Folder of text files; default: the Python stdlib's sources.")
-OUT_DIR = flags.DEFINE_string("out_dir", None, "Where the shards go: a folder that does not exist or is empty.")
+OUT_DIR = flags.DEFINE_string("out_dir", None, "Where the shards go: a folder that does not exist or is empty; one "
+                               "that holds prepare's output of the same arguments is kept as it is (exit 0).")
 SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per example (each record holds seq_len + 1).")
 TOKENIZER = flags.DEFINE_enum("tokenizer", "bytes", ["bytes", "sentencepiece"], "bytes (vocab 257) or a "
                               "sentencepiece model trained here on the train split.")

@@ -23,7 +23,8 @@ from checkpointing.inspection import expand_local_dir
 from runtime import mesh as mesh_lib
 from trainer import code as code_lib, computation as computation_lib, data, model_config, models
 from trainer import state as state_lib, step as step_lib
-from trainer.config import ConfigError, TrainConfig, check_mesh, check_training_fields, validate_workdir
+from trainer.config import (ConfigError, TrainConfig, check_mesh, check_training_fields, resolve_data_flag,
+                            validate_workdir)
 
 REPLAY_PROGRAM = "trainer.program:replay_program"  # what every manifest of the trainer names
 
@@ -238,8 +239,10 @@ def validate(config: TrainConfig, device_count: int, *, check_workdir: bool = Tr
         raise ConfigError(
             f"--batch_size={config.batch_size} is not divisible by the data axis ({sizes['data']})"
         )
-    if check_workdir:
-        config = dataclasses.replace(config, workdir=resolve_path(config.workdir, "--workdir"))
+    if check_workdir:  # the run's own start-up: every path flag resolved once, recorded absolute
+        config = dataclasses.replace(config, workdir=resolve_path(config.workdir, "--workdir"),
+                                     data=resolve_data_flag(config.data, "--data"),
+                                     eval_data=resolve_data_flag(config.eval_data, "--eval_data"))
         validate_workdir(config.workdir)
     expand_local_dir(config.checkpoint.local_dir, 0)  # a mistyped placeholder is bad input
     check_model(config, spec)  # abstractly: collections, loss, optimizer, nnx

@@ -21,6 +21,13 @@ from trainer import compile_cache  # noqa: E402
 from trainer import flags as trainer_flags  # noqa: E402
 from trainer import loop  # noqa: E402
 from trainer.program import validate  # noqa: E402
+from absl import flags  # noqa: E402
+
+# --help lists the flags of the main module only: the trainer's are defined in trainer/flags.py (config
+# fields, checkpoint policy) and runtime/distributed.py (the pod), so they are adopted as this program's
+# own (--helpfull adds every library's, ~285 lines).
+flags.adopt_module_key_flags(trainer_flags)
+flags.adopt_module_key_flags(distributed)
 
 
 def process_start_time() -> float | None:

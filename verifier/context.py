@@ -50,9 +50,10 @@ class ProofContext:
         self._run: dict | None = None  # the run's identity (verifier/identity.py)
 
     def mesh(self):
-        """The verifier's own mesh: --mesh over all its devices (data=<devices> by default)."""
+        """The verifier's own mesh: --mesh over the first devices it needs (data=<all devices> by default).
+        Its other layouts (verifier/layouts.py) are built over this mesh's devices, so they stay in the subset."""
         if self._mesh is None:
-            self._mesh = mesh_lib.build(self.options.mesh)
+            self._mesh = mesh_lib.build(self.options.mesh, mesh_lib.first_devices(self.options.mesh))
         return self._mesh
 
     def mesh_shape(self) -> dict:

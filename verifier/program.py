@@ -53,6 +53,10 @@ class ProgramError(ValueError):
 def load(manifest: dict, mesh):
     """The replay program of the run that saved `manifest`, on `mesh`; ProgramError names what failed."""
     reference = manifest.get("program", TRAINER_PROGRAM)
+    if reference is None:  # recorded as null by a Checkpointer opened without one (checkpointing/_src/manifest.py)
+        raise ProgramError("the run's Checkpointer was opened without program=: nothing names the factory that "
+                           "replays its steps, so none can be proved (pass program=\"package.module:factory\", "
+                           "docs/api.md)")
     module_name, _, attribute = reference.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attribute)

@@ -46,7 +46,7 @@ REPLAY_CHUNK_STEPS = 2
 
 
 class Stopped(Exception):
-    """SIGTERM reached the verifier: it stops between replay chunks, writing nothing unfinished."""
+    """SIGTERM or SIGINT reached the verifier: it stops between replay chunks, writing nothing unfinished."""
 
 
 class Verifier:
@@ -99,9 +99,24 @@ class Verifier:
                 self._check_stop()
                 written += self._prove_together(plan[first:first + HELD_STATES])
         except Stopped:
+            self._mark_interrupted(planned | set(self._held) | self._intact_only)
             self._held.clear()
-            logging.warning("verifier stopped (SIGTERM): the replay in progress wrote no verdict")
+            logging.warning("verifier stopped: the replay in progress wrote no verdict")
         return written
+
+    def _mark_interrupted(self, steps) -> None:
+        """The intact verdicts of `steps` still waiting for a replay are marked interrupted, so no reader
+        (inspect) shows a proof as running that nothing runs; complete=false still, so the next verifier
+        run redoes them. Process 0 writes, as every verdict."""
+        if jax.process_index() != 0:
+            return
+        for step in sorted(steps):
+            verdict = verdicts.read(self.options.workdir, step)
+            if verdict is None or verdict["complete"] or verdict["status"] == "error" or verdict.get("interrupted"):
+                continue
+            verdicts.write(self.options.workdir, {**verdict, "interrupted": True,
+                                                  "detail": f"{verdict['detail']}; its replay was interrupted "
+                                                            "(the verifier stopped): the next run redoes it"})
 
     def _check_stop(self) -> None:
         """Raises Stopped once SIGTERM arrived; every process stops at the same point (process 0's
@@ -263,6 +278,8 @@ class Verifier:
             if self._watch is not None:
                 self._watch.wait(delay, stop)
             delay = min(delay * 2, self.options.max_poll_secs)
+        if stop.is_set():  # stopped while idle: steps held for a probe still to come are not replaying either
+            self._mark_interrupted(self._planned | set(self._held) | self._intact_only)
         return written
 
     def _agreed_plan(self) -> list[tuple[int, int | None]]:

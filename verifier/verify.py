@@ -16,6 +16,7 @@ instead of its spec's.
 """
 
 import math
+import os
 import signal
 import sys
 import threading
@@ -34,11 +35,15 @@ from verifier import tolerances
 from verifier.ledger import ALL
 from verifier.verifier import Verifier, VerifierOptions
 
+# --help lists the main module's flags: the pod's (runtime/distributed.py) are this program's too.
+flags.adopt_module_key_flags(distributed)
+
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
 # (--steps, --batch_size, ...) given here is an unknown flag, exit 2, never silently ignored.
 WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's workdir to verify (local path or gs://); read only.")
-MESH = flags.DEFINE_string("mesh", "", "The verifier's own mesh, e.g. data=2; the product must equal this "
-                           "process's device count. Empty: data=<all devices>.")
+MESH = flags.DEFINE_string("mesh", "", "The verifier's own mesh, e.g. data=2: it runs on the first that many of "
+                           "the visible devices (at most all of them), its other layouts too. Empty: data=<all "
+                           "devices>.")
 
 FOLLOW = flags.DEFINE_boolean("follow", False, "Verify steps as they are committed, until the run is done.")
 ONCE = flags.DEFINE_boolean("once", False, "Verify the pending steps and exit.")
@@ -111,6 +116,17 @@ def checked_tolerances(path: str):
     return measured
 
 
+def _stop_on(signum: int, stop: threading.Event, stopped_by: list[str]) -> None:
+    """The first SIGINT or SIGTERM stops the verifier at its next replay chunk; a second Ctrl-C exits at once
+    (130): verdicts are written whole or not at all, so nothing is left half-written."""
+    name = signal.Signals(signum).name
+    if stop.is_set() and name == "SIGINT":
+        os.write(2, b"verifier: a second Ctrl-C: exiting at once\n")
+        os._exit(exit_codes.INTERRUPTED)
+    stopped_by.append(name)
+    stop.set()
+
+
 def main(argv: list[str]) -> int:
     if FOLLOW.value == ONCE.value:
         raise ValueError("give exactly one of --follow and --once")
@@ -122,7 +138,7 @@ def main(argv: list[str]) -> int:
     # --once needs the workdir now; --follow may start before the trainer creates it.
     workdir = check_workdir(WORKDIR.value, must_exist=ONCE.value)  # absolute from here on
     mesh = mesh_lib.parse(MESH.value)
-    mesh_lib.check(mesh, jax.device_count())
+    mesh_lib.check_subset(mesh, jax.device_count())  # fewer: the first devices (runtime/mesh.py)
     reverify = reverify_steps(REVERIFY.value, workdir) if REVERIFY.value else ()
     cache_dir = COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
@@ -130,17 +146,24 @@ def main(argv: list[str]) -> int:
                               verify_budget=VERIFY_BUDGET.value, follow=FOLLOW.value,
                               poll_secs=POLL_SECS.value, max_poll_secs=MAX_POLL_SECS.value, tolerances=measured,
                               measure_noise=MEASURE_NOISE.value, reverify=reverify)
-    # SIGTERM stops it between replay chunks (verifier/verifier.py): no unfinished verdict is written.
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # SIGTERM and SIGINT stop it between replay chunks (verifier/verifier.py): no unfinished verdict is written,
+    # and an intact verdict whose replay was cut short is marked interrupted (never shown as replaying).
+    stop, stopped_by = threading.Event(), []
+    signal.signal(signal.SIGTERM, lambda signum, _: _stop_on(signum, stop, stopped_by))
+    signal.signal(signal.SIGINT, lambda signum, _: _stop_on(signum, stop, stopped_by))
     verifier = Verifier(options, stop)
-    logging.info("verifier on %d devices, workdir %s", jax.device_count(), options.workdir)
+    logging.info("verifier on %d of %d devices, workdir %s", len(mesh_lib.first_devices(mesh) or jax.devices()),
+                 jax.device_count(), options.workdir)
     if measured is not None:
         logging.info("cross-layout tolerances from --tolerances=%s", measured.describe())
     if ONCE.value:
         verifier.verify_pending()
     else:
         verifier.follow(stop, until_step=UNTIL_STEP.value)
+    if stopped_by and stopped_by[0] == "SIGINT":  # a person's Ctrl-C: what is left says how to finish it
+        pending = verifier.pending_steps()
+        exit_codes.exit_interrupted(f"verifier stopped by SIGINT: {'steps ' + str(pending) if pending else 'no step'} "
+                                    "still to prove; run it again to prove them")
     return exit_code(verifier.ledger, committed_steps(workdir))
 
 
@@ -154,10 +177,12 @@ def exit_code(ledger, committed: list[int]) -> int:
     if tally["failed"]:
         raise VerificationFailedError(f"{line} ({counts})")
     if tally["unproved"]:
-        details = [line] if line else []
-        described = ", ".join(f"{step}: {verdicts.describe(ledger.workdir, step)}" for step in tally["unproved"])
-        details.append(f"not proved: {described}")
-        sys.stderr.write(f"unproved: {counts}; {'; '.join(details)}\n")
+        # The verifier's own faults are in `line` with their causes; the rest by what their verdicts say.
+        described = {step: verdicts.describe(ledger.workdir, step) for step in tally["unproved"]}
+        others = [f"{step}: {text}" for step, text in described.items()
+                  if step not in ledger.unproved and not text.endswith(" error")]
+        parts = ([line] if line else []) + ([f"not proved: {', '.join(others)}"] if others else [])
+        sys.stderr.write(f"unproved: {'; '.join(parts)} ({counts})\n")
         return exit_codes.UNPROVED
     print(f"verified: {counts}")
     return exit_codes.OK

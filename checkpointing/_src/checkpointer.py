@@ -78,6 +78,9 @@ class Checkpointer:
         self.run = dataclasses.replace(run, init_from=restore_lib.init_from(self.workdir, self.options.init_from))
         run_record.check(self.workdir, self.run, starting_over=self._starting_over)  # the run's record: run.json
         self._lease = _acquire_pod_lease(self.workdir, self.options.lease_secs)
+        if program is None and _process_index() == 0:  # said once, at open: the verifier would say it at the end
+            logging.warning("Checkpointer without program=: every manifest records that this run cannot be "
+                            "replayed; its checkpoints restore, but the verifier cannot prove them (docs/api.md)")
         self._owns_watchdog = watchdog is None
         self.watchdog = watchdog or Watchdog(watchdog_secs)
         self.preemption = PreemptionWatch()

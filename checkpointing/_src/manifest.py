@@ -20,7 +20,8 @@ Fields:
   process_index  local steps: the process that wrote it; with mesh and process_count, its layout
   local_shards   local steps: digest of the shards that process holds (checkpointing/_src/local_tier.py)
   program        optional: "package.module:factory", what the verifier imports to replay the run
-                 (verifier/program.py); absent: the built-in trainer's program
+                 (verifier/program.py); null: the Checkpointer was opened without program=, so the
+                 run cannot be replayed; absent: the built-in trainer's program (older manifests)
   init_from      optional: {"workdir", "step", "digest"}, the other run's committed step whose params
                  this run started from (--init_from); its proofs start there, not at the seed
   platform       optional: {"backend", "device_kind", "jax", "jaxlib", "libtpu" (str or null),
@@ -74,7 +75,7 @@ _SCHEMA: dict[str, tuple[type | tuple, Any]] = {
 
 # Optional fields, checked when present.
 _OPTIONAL: dict[str, Any] = {
-    "program": lambda v: isinstance(v, str) and v.count(":") == 1,
+    "program": lambda v: v is None or (isinstance(v, str) and v.count(":") == 1),
     "init_from": lambda v: isinstance(v, dict) and isinstance(v.get("workdir"), str)
     and isinstance(v.get("step"), int) and not isinstance(v.get("step"), bool) and isinstance(v.get("digest"), str),
     "total_steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,  # the run's last step
@@ -126,6 +127,10 @@ def build(*, step: int, leaves: dict[str, dict], fingerprints: dict[str, int], l
         manifest["extra"] = dict(extra)
     manifest.update(tier_fields or {})  # absent on persistent steps, so their manifests are as before
     manifest.update({k: v for k, v in (identity_fields or {}).items() if v})  # program, init_from, total_steps
+    if identity_fields is not None and "program" in identity_fields and identity_fields["program"] is None:
+        # null, not absent: an absent program means the built-in trainer's, and the verifier would replay
+        # a user's loop with it and name a program the user never used
+        manifest["program"] = None
     manifest["digest"] = digest(manifest)
     validate(manifest)
     return manifest

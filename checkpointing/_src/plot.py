@@ -147,6 +147,36 @@ def series(workdir: str) -> Series:
                   list(evals), list(evals.values()))
 
 
+def summary(run: Series) -> str:
+    """What a picture's title says of a run beside its name: '300 steps in 3 attempts (1 preemption, 1 crash);
+    6 checkpoints, 5 reproduced pass'."""
+    def count(number: int, noun: str) -> str:
+        return f"{number} {noun}{'' if number == 1 else 's'}"
+
+    steps = (run.loss_steps[-1] + 1) if run.loss_steps else 0
+    text = f"{count(steps, 'step')} in {count(max(len(run.attempts), 1), 'attempt')}"
+    faults = [count(len(found), noun) for found, noun in ((run.preemptions, "preemption"), (run.crashes, "crash"))
+              if found]
+    if faults:
+        text += f" ({', '.join(faults).replace('crashs', 'crashes')})"
+    text += f"; {count(len(run.checkpoints), 'checkpoint')}"
+    verdicts_found: dict[str, int] = {}
+    for point in run.checkpoints:
+        if point.verdict != "-":
+            verdicts_found[point.verdict] = verdicts_found.get(point.verdict, 0) + 1
+    if verdicts_found:
+        text += ", " + ", ".join(f"{n} {verdict}" for verdict, n in sorted(verdicts_found.items()))
+    elif run.checkpoints:
+        text += ", none verified yet"
+    return text
+
+
+def title(workdir: str, run: Series) -> str:
+    """A picture's title: the workdir and its parent ('runs/lm', not the machine's whole path) and summary()."""
+    name = "/".join(workdir.rstrip("/").rsplit("/", 2)[-2:]).lstrip("/") or workdir
+    return f"{name}: {summary(run)}"
+
+
 def reference_loss(workdir: str) -> tuple[list[int], list[float]]:
     """The whole history of a reference run, (steps, losses)."""
     losses = read_history(workdir).losses

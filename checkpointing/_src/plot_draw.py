@@ -1,7 +1,7 @@
 """Renders plot.py's series: the loss panel and, with a proof, the relative-difference panel.
 
 Nothing here computes what is drawn (plot.py does, and tests read it there). Text never sits on
-the curves: every description is a legend entry, and the legend stands outside the axes.
+the curves: every description is a legend entry, and the legend stands below the axes, in columns.
 
 The loss of step s is drawn as a level over [s, s + 1) (the update s -> s + 1), so checkpoint N's
 last loss ends exactly at x = N, where its marker sits, and the eval of step N starts there.
@@ -48,8 +48,11 @@ def _events(axes, run: Series, crash_label: str, labelled: bool) -> None:
         axes.axvline(resume.step, ymax=0.5, color="tab:purple", linestyle="--", linewidth=1.4,
                      label="resume (an attempt starts)" if labelled and index == 0 else None)
     for index, step in enumerate(run.crashes):
+        # At the end of the crashed attempt's shading: where the next attempt took over (its resume, drawn in
+        # the lower half) when that is before the crash; the steps it lost beyond are the dotted orange line.
+        step = next((start for start, end, _ in run.spans() if start < step < end), step)
         axes.axvline(step, ymin=0.5, color="black", linestyle="-.", linewidth=1.4,
-                     label=f"{crash_label} (after its last logged step)" if labelled and index == 0 else None)
+                     label=f"{crash_label}: its attempt ends (later steps redone)" if labelled and index == 0 else None)
     for index, step in enumerate(run.preemptions):
         axes.axvline(step, color="tab:red", linestyle=":", linewidth=2.2,
                      label="preemption (saved, exit 75)" if labelled and index == 0 else None)
@@ -75,11 +78,11 @@ def _loss_panel(axes, run: Series, reference, crash_label: str) -> None:
     for point in (c for c in run.checkpoints if c.loss is not None):
         label = None if point.verdict in verdicts_shown else f"checkpoint: {point.verdict}"
         verdicts_shown.add(point.verdict)
-        axes.scatter([point.step], [point.loss], color=point.colour, s=36, zorder=4, label=label,
+        axes.scatter([point.step], [point.loss], color=point.colour, s=36, zorder=5, label=label,
                      edgecolors="black", linewidths=0.5)
-    if run.eval_steps:
-        axes.scatter(run.eval_steps, run.eval_values, marker="D", s=28, color="tab:orange", edgecolors="black",
-                     linewidths=0.5, zorder=4, label="eval loss (held-out batches)")
+    if run.eval_steps:  # hollow and beneath: an eval at a checkpoint's step leaves its verdict's colour seen
+        axes.scatter(run.eval_steps, run.eval_values, marker="D", s=40, facecolors="none", edgecolors="tab:orange",
+                     linewidths=1.2, zorder=4, label="eval loss (held-out batches)")
     _events(axes, run, crash_label, labelled=True)
     axes.set_ylabel("loss")
     values = run.loss_values + run.eval_values + (list(reference[1]) if reference else [])
@@ -135,10 +138,16 @@ def figure(run: Series, *, title: str, reference=None, proof: Proof | None = Non
         loss_axes, proof_axes = picture.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     _loss_panel(loss_axes, run, reference, crash_label)
     _title(picture, title)
-    loss_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
     if proof_axes is not None:
         _proof_panel(proof_axes, run, proof, crash_label)
-        proof_axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
+    # One legend under the panels, in columns (constrained layout makes room for it): beside them, the long
+    # attempt entries took a third of the width.
+    entries: dict[str, object] = {}
+    for axes in picture.axes:
+        for handle, label in zip(*axes.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    picture.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=3, fontsize=8,
+                   framealpha=0.9)
     (proof_axes or loss_axes).set_xlabel("step (the loss of step s, computed by the update s -> s+1, is drawn "
                                          "over [s, s+1); checkpoint N at N)")
     return picture

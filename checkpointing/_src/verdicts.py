@@ -30,6 +30,8 @@ Fields:
                           (deleted while being verified). verifier/faults.py says which is which.
   complete                 false while a replay is still to come (the intact part is written first), and
                           for an error; a complete verdict is final for its save (write(): --reverify)
+  interrupted              optional, true: the verifier stopped (SIGINT, SIGTERM) before this intact verdict's
+                          replay ended; nothing is replaying it, and the next verifier run redoes it
   detail                   one line: what was proved, or the first mismatch with both values
   mismatch                 null, or {"kind", "where", "expected", "actual"} of the first mismatch
   max_relative_difference  float or null: the largest relative loss difference of the replay
@@ -276,9 +278,11 @@ def describe(workdir: str, step: int) -> str:
 
 
 def summary(verdict: dict | None) -> str:
-    """'reproduced pass', 'intact pass (replaying)', 'intact error' (never replaying: the next verifier run
-    retries it)."""
+    """'reproduced pass', 'intact pass (replaying)', 'intact pass (interrupted)' (the verifier stopped before
+    its replay ended), 'intact error' (never replaying: the next verifier run retries it)."""
     if verdict is None:
         return "-"
-    replaying = not verdict["complete"] and verdict["status"] != "error"
-    return f"{verdict['level']} {verdict['status']}" + (" (replaying)" if replaying else "")
+    if verdict["complete"] or verdict["status"] == "error":
+        return f"{verdict['level']} {verdict['status']}"
+    return f"{verdict['level']} {verdict['status']}" + (" (interrupted)" if verdict.get("interrupted") else
+                                                        " (replaying)")

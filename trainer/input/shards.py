@@ -62,7 +62,9 @@ def write_split(folder: str, split: str, records: np.ndarray, records_per_shard:
 def prepare(corpus_dir: str, out_dir: str, seq_len: int, *, tokenizer: str = "bytes", vocab_size: int = 1024,
             eval_fraction: float = 0.05, suffixes: tuple[str, ...] = (".py",), max_files: int | None = None,
             max_bytes: int | None = None, records_per_shard: int = 4096) -> dict:
-    """Writes the shards and metadata.json into out_dir (which must not exist or be empty); returns the metadata."""
+    """Writes the shards and metadata.json into out_dir (which must not exist or be empty); returns the metadata.
+    An out_dir that holds this function's finished output of the same arguments and corpus is left as it is
+    (its metadata returned); any other content is a CorpusError."""
     if seq_len < 1:
         raise CorpusError(f"--seq_len={seq_len}: must be at least 1")
     if records_per_shard < 1:
@@ -70,9 +72,17 @@ def prepare(corpus_dir: str, out_dir: str, seq_len: int, *, tokenizer: str = "by
     for name, bound in (("max_files", max_files), ("max_bytes", max_bytes)):
         if bound is not None and bound < 1:
             raise CorpusError(f"--{name}={bound}: must be at least 1")
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise CorpusError(f"--out_dir={out_dir}: exists and is not an empty folder")
+    arguments = {"corpus_dir": os.path.abspath(corpus_dir), "seq_len": seq_len, "tokenizer": tokenizer,
+                 "vocab_size": vocab_size if tokenizer != "bytes" else None, "eval_fraction": eval_fraction,
+                 "suffixes": list(suffixes), "max_files": max_files, "max_bytes": max_bytes,
+                 "records_per_shard": records_per_shard}
     documents, skipped = corpus_lib.read_corpus(corpus_dir, suffixes, max_files, max_bytes)
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        # A command line that prepares and then trains is run again: its own finished output of the same
+        # arguments and corpus is the answer, not an error; anything else in --out_dir is never touched.
+        metadata = finished_output(out_dir, arguments, corpus_lib.corpus_digest(documents))
+        logging.info("%s already holds prepare's output of these arguments and this corpus: nothing to do", out_dir)
+        return metadata
     train_docs, eval_docs = corpus_lib.split(documents, eval_fraction)
     tok = corpus_lib.make_tokenizer(tokenizer, train_docs, vocab_size)
     records = {"train": to_records(corpus_lib.token_stream(train_docs, tok), seq_len)}
@@ -89,6 +99,7 @@ def prepare(corpus_dir: str, out_dir: str, seq_len: int, *, tokenizer: str = "by
                    "bytes": sum(len(d.text.encode()) for d in documents),
                    "digest": corpus_lib.corpus_digest(documents)},
         "splits": {},
+        "arguments": arguments,  # what a second run with the same arguments recognises (finished_output)
     }
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -112,4 +123,32 @@ def prepare(corpus_dir: str, out_dir: str, seq_len: int, *, tokenizer: str = "by
         if os.path.exists(staging):
             shutil.rmtree(staging)
     logging.info("prepared %s: %s", out_dir, {s: v["records"] for s, v in metadata["splits"].items()})
+    return metadata
+
+
+def finished_output(out_dir: str, arguments: dict, corpus_digest: str) -> dict:
+    """The metadata of prepare's finished output in `out_dir` when it was made with `arguments` from a
+    corpus of this digest and every shard it lists is there at its size; else a CorpusError naming what
+    differs (exit 2, nothing changed)."""
+    try:
+        with open(os.path.join(out_dir, METADATA)) as f:
+            metadata = json.load(f)
+        recorded = metadata["arguments"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CorpusError(f"--out_dir={out_dir}: exists and is not an empty folder, nor prepare's finished "
+                          "output (no readable metadata.json with its arguments)") from None
+    differing = [f"--{name}={arguments[name]} (it holds {recorded.get(name)})" for name in arguments
+                 if recorded.get(name) != arguments[name]]
+    if differing:
+        raise CorpusError(f"--out_dir={out_dir}: holds prepare's output of other arguments: {', '.join(differing)}; "
+                          "choose another --out_dir")
+    if metadata.get("corpus", {}).get("digest") != corpus_digest:
+        raise CorpusError(f"--out_dir={out_dir}: holds prepare's output of another content of "
+                          f"--corpus_dir={arguments['corpus_dir']} (its files changed); choose another --out_dir")
+    for split in metadata["splits"].values():
+        for shard in split["shards"]:
+            path = os.path.join(out_dir, shard["name"])
+            if not os.path.isfile(path) or os.path.getsize(path) != shard["size"]:
+                raise CorpusError(f"--out_dir={out_dir}: prepare's output there is incomplete ({path} is missing or "
+                                  "not its recorded size); choose another --out_dir")
     return metadata
