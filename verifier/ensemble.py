@@ -14,7 +14,6 @@ A verifier with one device has no other layout to calibrate with: no member, and
 so (inconclusive), never a bound it did not measure.
 """
 
-import itertools
 from typing import Callable, Iterable, Iterator
 
 from verifier import layouts
@@ -39,8 +38,8 @@ def members(program, others: Iterable, start_state,
     rtols = perturb.one_step_rtols(mine, layouts.moved_onto(theirs, program.state_shardings))
     scales = perturb.scales(mine, rtols)
     del mine, theirs
-    plan = [first_other, program]
-    third = next(others, None)
-    plan.append(third if third is not None else first_other)
-    for member_program, seed in itertools.islice(zip(plan, SEEDS), MEMBERS + CONFIRMING):
-        yield member_program, perturb.Perturbation(member_program.state_shardings, scales, seed)
+    yield first_other, perturb.Perturbation(first_other.state_shardings, scales, SEEDS[0])
+    yield program, perturb.Perturbation(program.state_shardings, scales, SEEDS[1])
+    # Only when the first judgement found evidence: a third layout is built (and compiled) on demand.
+    third = next(others, None) or first_other
+    yield third, perturb.Perturbation(third.state_shardings, scales, SEEDS[2])
