@@ -58,11 +58,7 @@ def build_program(config: TrainConfig, mesh: Mesh, inputs: data.Inputs | None = 
     spec = models.resolve(config.model)
     if inputs is None:
         inputs = data.open_inputs(spec, config, mesh)
-    module = spec.make_module(config)
-    tx = state_lib.make_optimizer(config, spec)
-    codec = state_lib.KeyCodec()
-    init = state_lib.make_init_fn(config, spec, module, tx, codec)
-    abstract = jax.eval_shape(init)
+    module, tx, codec, init, abstract = _model_pieces(config, spec)
     shardings = state_lib.state_shardings(abstract, mesh, spec.partition)
     batch_sharding = data.batch_sharding(mesh)
     # The position is the step either way: records (trainer/input) or the spec's synthetic draw.
@@ -135,20 +131,51 @@ def _name(fn) -> str:
 def check_model(config: TrainConfig, spec: models.ModelSpec) -> None:
     """What a run needs of its model, checked abstractly (no compile, no device work) before anything is
     written: a module the trainer runs (not nnx), an optimizer, collections it can carry, and a loss that
-    returns the model state it was given. ConfigError naming what is wrong."""
-    module = spec.make_module(config)
-    models.check_module(spec, module)
-    codec = state_lib.KeyCodec()
-    init = state_lib.make_init_fn(config, spec, module, state_lib.make_optimizer(config, spec), codec)
-    abstract = jax.eval_shape(init)
+    returns the model state it was given. ConfigError naming what is wrong.
+
+    It traces the init and, where the loss carries model state, the loss's forward pass alone (the model state
+    it returns is the step's); build_program then reuses the init's trace for the same config (_model_pieces):
+    the whole step traced here again cost a TPU v5e's restart 2.9 s of its open (docs/performance.md)."""
+    module, _, codec, _, abstract = _model_pieces(config, spec, checking=True)
+    if not spec.takes_model_state:
+        return  # the step carries the init's model state through unchanged (trainer/step.py)
     batch = jax.eval_shape(lambda: data.synthetic_batch(spec, config, jax.numpy.zeros((), jax.numpy.int32)))
-    out = jax.eval_shape(make_step(config, spec, module, codec), abstract, batch)[0].model_state
+
+    def model_state_out(state, batch):  # what train_step's objective returns as its model state
+        _, model_state = spec.loss(module, state.params, codec.decode(state.model_state), batch,
+                                   data.step_rng(config, state.step))
+        return codec.encode(model_state)
+
+    out = jax.eval_shape(model_state_out, abstract, batch)
     if jax.tree.structure(out) != jax.tree.structure(abstract.model_state) or any(
             (a.shape, a.dtype) != (b.shape, b.dtype)
             for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(abstract.model_state))):
         raise ConfigError(f"model {spec.name!r}: its loss returns model state {sorted(dict(out))} unlike the "
                           f"init's {sorted(dict(abstract.model_state))} (same collections, shapes and dtypes "
                           "are needed to carry it)")
+
+
+# The model's pieces that check_model last made, for build_program of the same config and spec: (config, spec,
+# (module, tx, codec, init, abstract state)). One entry: a start-up checks one config, then builds its program.
+_CHECKED: list[tuple] = []
+
+
+def _model_pieces(config: TrainConfig, spec: models.ModelSpec, checking: bool = False) -> tuple:
+    """(module, optimizer, KeyCodec, init, jax.eval_shape(init)): made and traced once for a config and spec
+    that check_model checked (the codec learns the init's keys while it is traced, so the pieces go together)."""
+    for checked_config, checked_spec, pieces in list(_CHECKED):
+        if checked_spec is spec and checked_config == config:
+            return pieces
+    module = spec.make_module(config)
+    if checking:
+        models.check_module(spec, module)
+    tx = state_lib.make_optimizer(config, spec)
+    codec = state_lib.KeyCodec()
+    init = state_lib.make_init_fn(config, spec, module, tx, codec)
+    pieces = (module, tx, codec, init, jax.eval_shape(init))
+    if checking:
+        _CHECKED[:] = [(config, spec, pieces)]
+    return pieces
 
 
 def replay_program(config: dict, mesh: Mesh) -> Program:
