@@ -14,7 +14,7 @@ from checkpointing.inspection import layout_of
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
-from trainer import compile_cache, data, metrics, model_config, models
+from trainer import compile_cache, data, event_files, metrics, model_config, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
@@ -110,8 +110,10 @@ def compile_program(program: Program, *, fresh: bool, prepare=None) -> None:
     Checkpointer's) the save marks' fingerprints.
 
     jit's own cache then holds these executables, so the loop's first calls compile nothing; with
-    the persistent compilation cache on, a warm restart loads them from disk instead.
+    the persistent compilation cache on, a warm restart loads them from disk instead. Meanwhile TensorBoard's
+    writer loads on a thread (trainer/event_files.py), so the first log line imports nothing.
     """
+    event_files.preload()
     # The fingerprints that the restore's check and every save dispatch: a kept executable loads on a thread
     # beside the step's compile (on a TPU v5e that load took 4 s of a restart, docs/performance.md); one not
     # kept compiles after it. No `prepare`: a loop that takes none (the plain Orbax baseline of benchmarks/).
