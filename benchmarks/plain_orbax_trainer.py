@@ -74,16 +74,19 @@ class _Saver:
         return event
 
 
-def train(config, phases: dict[str, float], opened_at: float) -> None:
+def train(config, phases: dict[str, float], opened_at: float, parts: loop.OpenParts) -> None:
     for name, secs in phases.items():
         loop.log_phase(name, secs)
     program = build_program(config, build_mesh(config))
+    parts.mark("program")
     manager = None
     if PLAIN_SAVE.value:
         manager = _Manager(workdir_lib.checkpoints_dir(config.workdir), options=ocp.CheckpointManagerOptions(
             max_to_keep=config.checkpoint.max_to_keep, enable_async_checkpointing=True))
     latest = manager.latest_step() if manager is not None else None
+    parts.mark("checkpointer")
     loop.log_phase("open", time.perf_counter() - opened_at)  # as the trainer's: to the compile
+    parts.log()
     begin = time.perf_counter()
     loop.compile_program(program, fresh=latest is None)  # plain Orbax takes no fingerprints
     loop.log_phase("compile", time.perf_counter() - begin)
@@ -117,10 +120,15 @@ def main(argv: list[str]) -> None:
     distributed.initialize()
     phases["distributed_start"] = time.perf_counter() - begin
     opened_at = time.perf_counter()
-    config = validate(trainer_flags.config_from_flags(), jax.device_count())
+    parts = loop.OpenParts(opened_at)  # the trainer's parts of `open`, as far as this trainer has them
+    device_count = jax.device_count()
+    parts.mark("devices")
+    config = validate(trainer_flags.config_from_flags(), device_count)
+    parts.mark("validate")
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
-    train(config, phases, opened_at)
+    parts.mark("workdir")
+    train(config, phases, opened_at, parts)
 
 
 if __name__ == "__main__":

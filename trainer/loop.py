@@ -98,6 +98,25 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
     return state
 
 
+class OpenParts:
+    """The `open` phase's parts (devices, validate, workdir, inputs, resume_check, checkpointer, program), each
+    timed from the previous mark and logged by process 0 with the phase as one `open parts:` line: never a
+    `phase` line, which benchmarks parse (trainer/metrics.py PHASES)."""
+
+    def __init__(self, started: float | None = None):
+        self._last = time.perf_counter() if started is None else started
+        self.secs: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.secs[name] = self.secs.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def log(self) -> None:
+        if jax.process_index() == 0 and self.secs:
+            logging.info("open parts: %s", ", ".join(f"{name} {secs:.3f}s" for name, secs in self.secs.items()))
+
+
 def log_phase(name: str, secs: float) -> None:
     """One start-up phase's duration, as `phase <name> <secs>s` (benchmarks parse this line)."""
     if jax.process_index() == 0:
@@ -171,7 +190,7 @@ def resumed_code(config: TrainConfig, workdir: Workdir) -> dict:
 
 
 def train(config: TrainConfig, startup_phases: dict[str, float] | None = None,
-          opened_at: float | None = None) -> TrainResult:
+          opened_at: float | None = None, open_parts: OpenParts | None = None) -> TrainResult:
     """Trains up to `config.steps`, resuming per --resume_from and saving per the config.
 
     `startup_phases` are the entry point's own phases (process start, distributed start-up), logged
@@ -182,8 +201,9 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None,
     anything is written (a refused trainer leaves the workdir as it was); it is released on every exit.
     """
     opened_at = time.perf_counter() if opened_at is None else opened_at
+    open_parts = OpenParts(opened_at) if open_parts is None else open_parts  # the entry point's, marked so far
     with matmul_precision(config.matmul_precision):
-        return _open_and_train(config, startup_phases, opened_at)
+        return _open_and_train(config, startup_phases, opened_at, open_parts)
 
 
 @contextlib.contextmanager
@@ -199,18 +219,22 @@ def matmul_precision(value: str):
         jax.config.update("jax_default_matmul_precision", previous)
 
 
-def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None, opened_at: float) -> TrainResult:
+def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None, opened_at: float,
+                    open_parts: OpenParts) -> TrainResult:
     mesh = build_mesh(config)
     # The record files are opened and checked first: a bad glob or file, or other files than the
     # checkpoints were trained on, is refused before the Checkpointer takes the lease (nothing written).
     inputs = data.open_inputs(models.resolve(config.model), config, mesh)
+    open_parts.mark("inputs")
     watchdog = None
     try:
         workdir = Workdir(config.workdir)  # one open for the whole start-up: each manifest read once
         if os.path.isdir(workdir) or workdir.startswith("gs://"):
             check_resumed_data(config, inputs, workdir)
+        open_parts.mark("resume_check")
         watchdog = Watchdog(config.watchdog_secs)
         with open_checkpointer(config, mesh, watchdog, inputs, workdir) as checkpointer:
+            open_parts.mark("checkpointer")
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
             for name, secs in (startup_phases or {}).items():
                 log_phase(name, secs)
@@ -218,7 +242,7 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
             changed = checkpointer.run.config[CODE_FIELD].get("changed_from")
             if changed and jax.process_index() == 0:  # recorded in every manifest of this attempt
                 logging.warning("code changed since the newest checkpoint: %s", "; ".join(changed))
-            return _train(config, mesh, checkpointer, watchdog, inputs, opened_at)
+            return _train(config, mesh, checkpointer, watchdog, inputs, opened_at, open_parts)
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -226,12 +250,14 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
 
 
 def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watchdog,
-           inputs: data.Inputs | None, opened_at: float) -> TrainResult:
+           inputs: data.Inputs | None, opened_at: float, open_parts: OpenParts) -> TrainResult:
     program = build_program(config, mesh, inputs)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
+    open_parts.mark("program")
     log_phase("open", time.perf_counter() - opened_at)
+    open_parts.log()
     begin = time.perf_counter()
     compile_program(program, fresh=not checkpointer.resume_candidates, prepare=checkpointer.prepare)
     log_phase("compile", time.perf_counter() - begin)
