@@ -117,9 +117,10 @@ class Checkpointer:
         """Optional, on every process: makes the fingerprints of states like `abstract_state` ahead, so the
         restore's check and a preemption's save compile nothing. Returns at once, loading the executable an
         earlier launch kept on a thread (beside the caller's compiles); `.result()` waits for it, or compiles
-        it on the calling thread, and returns "disk" or "compiled". restore_or_init waits for it."""
+        it on the calling thread, and returns "disk" or "compiled". restore_or_init waits for it. Where the probes
+        take their summaries on the devices, their compile starts here too, on a thread of its own."""
         self._prepared = marking.Prepared(abstract_state)
-        if self._device_summaries(abstract_state):  # beside the caller's compiles, not after them (see _probe_recorder)
+        if self._device_summaries(abstract_state):  # beside the caller's compiles, not after its restore
             marking.summaries_ahead(abstract_state)
         return self._prepared
 
