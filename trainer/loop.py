@@ -133,13 +133,16 @@ def compile_program(program: Program, *, fresh: bool, prepare=None) -> None:
     writer loads on a thread (trainer/event_files.py), so the first log line imports nothing.
     """
     event_files.preload()
-    # The fingerprints that the restore's check and every save dispatch: a kept executable loads on a thread
-    # beside the step's compile (on a TPU v5e that load took 4 s of a restart, docs/performance.md); one not
-    # kept compiles after it. No `prepare`: a loop that takes none (the plain Orbax baseline of benchmarks/).
-    prepared = prepare(program.abstract_state) if prepare is not None else None
     if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
         program.batch_fn.lower(0).compile()
-    program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
+    lowered = program.step_fn.lower(program.abstract_state, program.abstract_batch)  # the trace: the interpreter's
+    # The fingerprints that the restore's check and every save dispatch: a kept executable loads on a thread
+    # beside the step's compile (on a TPU v5e that load took 4 s of a restart, docs/performance.md); one not
+    # kept compiles after it. With it the probes' summaries compile on a thread (where the devices take them).
+    # Started after the step's trace, so their own trace takes the interpreter while XLA compiles or loads the
+    # step, not while the step is traced. No `prepare`: a loop that takes none (the plain Orbax baseline).
+    prepared = prepare(program.abstract_state) if prepare is not None else None
+    lowered.compile()
     if prepared is not None:
         logging.info("save marks' fingerprints: %s (process %d)", prepared.result(), jax.process_index())
     if fresh:
