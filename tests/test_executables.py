@@ -103,31 +103,3 @@ def test_a_damaged_file_is_one_warning_and_a_compile_never_a_load(tmp_path, dama
 
 def test_without_a_cache_directory_nothing_is_kept():
     assert [launch("")["source"] for _ in range(2)] == ["compiled", "compiled"]
-
-
-# The same launch with the probes' summaries compiled ahead first (what Checkpointer.prepare starts on a device
-# run): compile_marks keeps them too, and the next launch loads them on its thread without tracing them.
-SUMMARIES_LAUNCH = LAUNCH.replace(
-    "source = marks_lib.compile_marks(abstract)",
-    "ahead = marks_lib.marks_fn(jax.tree.map(lambda x: x.sharding, state))\n"
-    "ahead.compile_summaries_ahead(abstract)\n"
-    "ahead.summaries_compiled()\n"
-    "loaded_ahead = ahead._summaries_kept\n"
-    "source = marks_lib.compile_marks(abstract)").replace(
-    '"pass": fingerprint_lib.fingerprint_tree(state)}))',
-    '"pass": fingerprint_lib.fingerprint_tree(state), "loaded_ahead": loaded_ahead,\n'
-    '                  "summaries": marks_lib.summaries_of(ahead.summary(state), marks_lib.leaf_paths(state))}))')
-
-
-def test_the_probe_summaries_compiled_ahead_are_kept_and_a_relaunch_loads_them(tmp_path):
-    cache = str(tmp_path / "cache")
-    runs = []
-    for _ in range(2):
-        result = helpers.run_python(SUMMARIES_LAUNCH.replace("sys.argv[1], int(sys.argv[2])", f"{cache!r}, 64"),
-                                    device_count=4)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
-    assert sorted(name.split("-")[1] for name in kept(cache)) == ["fingerprints", "summaries"]
-    assert [run["source"] for run in runs] == ["compiled", "disk"]
-    assert [run["loaded_ahead"] for run in runs] == [False, True]  # the relaunch's thread loaded them: no trace
-    assert runs[1]["summaries"] == runs[0]["summaries"] and len(runs[0]["summaries"]) == 3

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from checkpointing._src import compare
 from checkpointing._src import executables
 from checkpointing._src import fingerprint as fingerprint_lib
 from checkpointing._src import probes
@@ -187,46 +186,20 @@ class MarksFn:
         self._tree = tree
         self.fingerprints = self.fingerprints_jit()
         self.compiled = None  # compile_marks: the fingerprints' executable, called without jit's dispatch
-        self.summaries = self.summaries_jit()
+        replicated = NamedSharding(jax.tree.leaves(tree)[0].mesh, P())
+        self.summaries = jax.jit(_stacked_summaries, in_shardings=(tree,), out_shardings=replicated)
         self._summaries_ahead: concurrent.futures.Future | None = None  # compile_summaries_ahead's executable
-        self._summaries_kept = False  # whether that executable is (or was loaded from) one kept on disk
 
     def compile_summaries_ahead(self, abstract_state) -> None:
-        """Makes the summaries' executable on a thread, beside the caller's compiles: the one an earlier launch
-        kept (executables.load_kept: no trace, no lowering, nothing compiled), else jit's through the persistent
-        cache (compile_marks keeps one). The first probe waits only for what is left of it."""
+        """Compiles the summaries on a thread (a restart loads them from the persistent cache) while the loop
+        trains: the first probe waits only for what is left of it."""
         if self._summaries_ahead is None:
-            self._summaries_ahead = _AHEAD.submit(self._summaries_executable, abstract_state)
-
-    def _summaries_executable(self, abstract_state):
-        kept = executables.load_kept("marks-summaries", (abstract_state,), _SUMMARY_SOURCES)
-        self._summaries_kept = kept is not None
-        return kept if kept is not None else self.summaries.lower(abstract_state).compile()
+            self._summaries_ahead = _AHEAD.submit(lambda: self.summaries.lower(abstract_state).compile())
 
     def summaries_compiled(self) -> None:
         """Waits for compile_summaries_ahead's compile, if one was started (its failure is summary()'s to handle)."""
         if self._summaries_ahead is not None:
             concurrent.futures.wait([self._summaries_ahead])
-
-    def keep_summaries(self, abstract_state) -> None:
-        """Where compile_summaries_ahead compiled through the persistent cache, compiles them once more to keep on
-        disk (executables.load_or_compile: the cache off meanwhile, so only where nothing compiles beside it), so
-        the next launch loads them without tracing them beside its step's compile."""
-        self.summaries_compiled()
-        ahead = self._summaries_ahead
-        if ahead is None or ahead.exception() is not None or self._summaries_kept or executables.directory() is None:
-            return
-        compiled, _ = executables.load_or_compile("marks-summaries", self.summaries_jit, (abstract_state,),
-                                                  _SUMMARY_SOURCES)
-        self._summaries_kept = True
-        done = concurrent.futures.Future()
-        done.set_result(compiled)
-        self._summaries_ahead = done
-
-    def summaries_jit(self):
-        """A new jit of the summaries (its own caches, as fingerprints_jit)."""
-        replicated = NamedSharding(jax.tree.leaves(self._tree)[0].mesh, P())
-        return jax.jit(_stacked_summaries, in_shardings=(self._tree,), out_shardings=replicated)
 
     def summary(self, state) -> jax.Array:  # a compile ahead that failed or does not fit: jit compiles its own
         ahead = self._summaries_ahead
@@ -268,7 +241,7 @@ def compile_marks(abstract_state, *, load_only: bool = False) -> str | None:
     marks = marks_fn(jax.tree.map(lambda x: x.sharding, abstract_state))
     source = "disk"
     if not load_only:  # a compile kept on disk turns JAX's persistent cache off: no summaries compile beside it
-        marks.keep_summaries(abstract_state)  # in the same window: compiled once more to keep, where started
+        marks.summaries_compiled()
     if load_only:
         marks.compiled = executables.load_kept("marks-fingerprints", (abstract_state,), _FINGERPRINT_SOURCES)
     else:
@@ -278,9 +251,8 @@ def compile_marks(abstract_state, *, load_only: bool = False) -> str | None:
         return None
     _COMPILED.add(_layout(abstract_state))
     return source
-# The modules whose code the fingerprints' and the summaries' executables run (their kept copies' keys hash them).
+# The modules whose code the fingerprints' executable runs (its kept copy's key hashes them).
 _FINGERPRINT_SOURCES = (fingerprint_lib, replicas, sys.modules[__name__])
-_SUMMARY_SOURCES = (probes, compare, sys.modules[__name__])
 
 
 def _layout(tree) -> tuple:
