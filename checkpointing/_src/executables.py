@@ -3,8 +3,7 @@
 JAX's persistent compilation cache saves a relaunch the compile, not the trace and the lowering that
 compute its key: for the save marks' fingerprints, which every relaunch compiles before its restore
 (checkpointing/_src/marks.py), those cost 0.05-0.1 s of the 0.1-0.2 s on the benchmark's mlp, on the cores the
-step uses; the probes' summaries, compiled on a thread beside the step's compile, are kept too. Here the
-compiled executable itself is kept, under a key of everything it was compiled from:
+step uses. Here the compiled executable itself is kept, under a key of everything it was compiled from:
 the versions of jax, jaxlib and NumPy, the backend, this process and the devices, every argument leaf's path,
 shape, dtype and sharding, JAX's configuration and XLA's flags, and the source of the modules that define the
 function. A key that misses compiles; a file that cannot be read or loaded is one warning and a compile.
