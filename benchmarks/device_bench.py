@@ -187,8 +187,8 @@ def verifier_part(scratch: str, mesh: str) -> dict:
            "statuses": {str(s): f"{v['level']} {v['status']}" for s, (_, v) in sorted(complete.items())},
            "verdicts": {str(s): v for s, (_, v) in sorted(complete.items())},
            "verifier_log_tail": open(f"{ckpt}_verify.log").read()[-4000:]}
-    if len(complete) >= 1 and min(commits) in complete:
-        out.update({k: v[0] for k, v in verifier_pace(commits, complete, with_verifier).items()})
+    if commits:  # a final step without a complete verdict in the grace period: paced to the newest one that had
+        out.update({k: v[0] for k, v in verifier_pace(commits, complete, with_verifier).items() if v})
     return out
 
 

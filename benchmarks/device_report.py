@@ -72,7 +72,8 @@ def report(results: dict, cadences: dict, median) -> str:
     if "verifier" in results:
         v = results["verifier"]
         pace = [f"{v['proved_steps_per_sec'] / v['train_steps_per_sec']:.3f}",
-                f"{v['replayed_steps_per_sec'] / v['train_steps_per_sec']:.3f}", f"{v['final_lag_secs']:.1f}"] \
+                f"{v['replayed_steps_per_sec'] / v['train_steps_per_sec']:.3f}",
+                f"{v['final_lag_secs']:.1f}" if "final_lag_secs" in v else "none in the grace period"] \
             if "proved_steps_per_sec" in v else ["-"] * 3
         lines += ["The verifier on the host CPU (JAX_PLATFORMS=cpu) following a run on the devices:", "",
                   "| part | proved steps/s / trained | replayed steps/s / trained | final commit -> its verdict, s | "
@@ -80,4 +81,7 @@ def report(results: dict, cadences: dict, median) -> str:
                   f"| verifier | {' | '.join(pace)} | {v['with_verifier_steps_per_sec'] / v['alone_steps_per_sec']:.3f}"
                   f" | {v['complete']} of {v['commits']} commits |", "",
                   "Verdicts: " + ", ".join(f"{s}: {x}" for s, x in v["statuses"].items()) + "."]
+        if v.get("unverified_steps"):
+            lines += ["", "No complete verdict in the grace period: steps "
+                      + ", ".join(str(s) for s in v["unverified_steps"]) + "."]
     return "\n".join(lines)

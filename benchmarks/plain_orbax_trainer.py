@@ -61,11 +61,14 @@ class _Saver:
         event = None
         if (due or preempted) and step != self.last_saved_step:
             started = time.perf_counter()
+            self._manager.wait_until_finished()  # what save() does first: timed apart, as the service's Saver does
+            waited = time.perf_counter() - started
             self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
             reason = "preemption" if preempted else "final" if step == self._end else "interval"
             event = SaveEvent(step=step, reason=reason, tier="persistent", blocking_secs=time.perf_counter() - started)
             if jax.process_index() == 0:  # the service's line: the benchmark reads both the same way
-                logging.info("checkpoint: step %d (%s) handed off in %.3fs", step, reason, event.blocking_secs)
+                logging.info("checkpoint: step %d (%s) handed off in %.3fs (%.3fs of it waiting for the previous "
+                             "commit)", step, reason, event.blocking_secs, waited)
             self.last_saved_step = step
         if preempted and step != self._end:
             self._manager.wait_until_finished()
@@ -74,16 +77,19 @@ class _Saver:
         return event
 
 
-def train(config, phases: dict[str, float], opened_at: float) -> None:
+def train(config, phases: dict[str, float], opened_at: float, parts: loop.OpenParts) -> None:
     for name, secs in phases.items():
         loop.log_phase(name, secs)
     program = build_program(config, build_mesh(config))
+    parts.mark("program")
     manager = None
     if PLAIN_SAVE.value:
         manager = _Manager(workdir_lib.checkpoints_dir(config.workdir), options=ocp.CheckpointManagerOptions(
             max_to_keep=config.checkpoint.max_to_keep, enable_async_checkpointing=True))
     latest = manager.latest_step() if manager is not None else None
+    parts.mark("checkpointer")
     loop.log_phase("open", time.perf_counter() - opened_at)  # as the trainer's: to the compile
+    parts.log()
     begin = time.perf_counter()
     loop.compile_program(program, fresh=latest is None)  # plain Orbax takes no fingerprints
     loop.log_phase("compile", time.perf_counter() - begin)
@@ -117,10 +123,15 @@ def main(argv: list[str]) -> None:
     distributed.initialize()
     phases["distributed_start"] = time.perf_counter() - begin
     opened_at = time.perf_counter()
-    config = validate(trainer_flags.config_from_flags(), jax.device_count())
+    parts = loop.OpenParts(opened_at)  # the trainer's parts of `open`, as far as this trainer has them
+    device_count = jax.device_count()
+    parts.mark("devices")
+    config = validate(trainer_flags.config_from_flags(), device_count)
+    parts.mark("validate")
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
-    train(config, phases, opened_at)
+    parts.mark("workdir")
+    train(config, phases, opened_at, parts)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,10 @@ def run_once(run_dir: str, budget: str | None) -> dict:
     return out
 
 
+def _median_secs(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}s" if values else "none (no final verdict in time)"
+
+
 def restore_child(workdir: str) -> None:
     """In a subprocess with the verifier's devices: times plain restores of every step but the first (the warm-up)."""
     import dataclasses, gc, jax  # noqa: E401 (only this child imports jax)
@@ -259,7 +263,7 @@ def report(results: dict, restore: dict, other: tuple) -> str:
     lines += [""] + [f"verify_budget={b}: complete verdicts {', '.join(f'{levels.count(lv)} {lv}' for lv in LEVELS)} "
                      f"({sum(gather(b, 'failed'))} failed); "
                      f"steps replayed / steps trained {statistics.median(gather(b, 'replayed_over_trained')):.2f}; "
-                     f"final commit -> its complete verdict {statistics.median(gather(b, 'final_lag_secs')):.2f}s."
+                     f"final commit -> its complete verdict {_median_secs(gather(b, 'final_lag_secs'))}."
                      for b in budgets for levels in [gather(b, "levels")]]
     return "\n".join(lines)
 

@@ -31,6 +31,11 @@ _BASE = dict(synthetic_batch=tiny_model.synthetic_batch, init_inputs=lambda batc
 
 KEY_IN_STATE = ModelSpec(name="noisy", make_module=lambda config: NoisyClassifier(), loss=_noisy_loss, **_BASE)
 
+# A loss that drops the model state its init made: check_model refuses it before anything is written.
+DROPS_NOISE = ModelSpec(name="drops_noise", make_module=lambda config: NoisyClassifier(),
+                        loss=lambda module, params, model_state, batch, rng: (
+                            _noisy_loss(module, params, model_state, batch, rng)[0], {}), **_BASE)
+
 # BatchNorm statistics with the older 3-argument loss: the trainer cannot carry them, so it refuses.
 LEGACY_BATCHNORM = ModelSpec(
     name="legacy_bn", make_module=cnn_model.make_module, loss=lambda module, params, batch: jnp.zeros(()),

@@ -73,6 +73,10 @@ BENCHMARKS = {
               "train step: records, ms (median)", "train step: synthetic, ms (median)",
               "records: input wait per step, ms (median)", "records: batch call per step, ms (median)",
               "ratio: train step records / synthetic (target <= 1.05)")),
+    "save_cost_trace": Smallest(
+        ("--steps=8", "--every=4", "--offsets=2",
+         "--model_flags=--model=mlp,--hidden_dim=16,--num_layers=1,--batch_size=8"),
+        rows=("0", "1", "a step far from saves"), columns=(1, 2, 3)),
     "scale_sim": Smallest(
         ("--hosts=2", "--pod_processes=2", "--steps_retained=1", "--state_mb=1"),
         rows=("lease_acquire", "lease_renewal", "lease_check", "lease_holder", "save_check", "listing",

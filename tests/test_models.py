@@ -84,6 +84,7 @@ def test_code_identity_names_the_spec_source_and_what_changed(workdir):
 
 @pytest.mark.parametrize("flags, texts", [
     (["--model=tests.model_specs:LEGACY_BATCHNORM"], ["collection(s) batch_stats", "cannot carry"]),
+    (["--model=tests.model_specs:DROPS_NOISE"], ["its loss returns model state []", "unlike the init's ['noise']"]),
     ([f"--model={CNN}", "--dropout_rate=2.0"], ["--dropout_rate must be <= 0.9"]),
     ([f"--model={CNN}", "--num_filters=many"], ["num_filters", "many"]),
     (["--optimizer=sgd"], ["--optimizer=sgd: must be one of adam, adamw"]),

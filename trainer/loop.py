@@ -14,7 +14,7 @@ from checkpointing.inspection import layout_of
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
 from trainer import code as code_lib
-from trainer import compile_cache, data, metrics, model_config, models
+from trainer import compile_cache, data, event_files, metrics, model_config, models
 from trainer.evaluate import Evaluator, Throughput
 from trainer.config import CODE_FIELD, TrainConfig
 from trainer.loss_log import LossLog, read_metrics  # noqa: F401  (read_metrics: tests read runs through loop)
@@ -98,6 +98,25 @@ def run_steps(program: Program, state, start_step: int, end_step: int, loss_log:
     return state
 
 
+class OpenParts:
+    """The `open` phase's parts (devices, validate, workdir, inputs, resume_check, checkpointer, program), each
+    timed from the previous mark and logged by process 0 with the phase as one `open parts:` line: never a
+    `phase` line, which benchmarks parse (trainer/metrics.py PHASES)."""
+
+    def __init__(self, started: float | None = None):
+        self._last = time.perf_counter() if started is None else started
+        self.secs: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.secs[name] = self.secs.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def log(self) -> None:
+        if jax.process_index() == 0 and self.secs:
+            logging.info("open parts: %s", ", ".join(f"{name} {secs:.3f}s" for name, secs in self.secs.items()))
+
+
 def log_phase(name: str, secs: float) -> None:
     """One start-up phase's duration, as `phase <name> <secs>s` (benchmarks parse this line)."""
     if jax.process_index() == 0:
@@ -110,15 +129,20 @@ def compile_program(program: Program, *, fresh: bool, prepare=None) -> None:
     Checkpointer's) the save marks' fingerprints.
 
     jit's own cache then holds these executables, so the loop's first calls compile nothing; with
-    the persistent compilation cache on, a warm restart loads them from disk instead.
+    the persistent compilation cache on, a warm restart loads them from disk instead. Meanwhile TensorBoard's
+    writer loads on a thread (trainer/event_files.py), so the first log line imports nothing.
     """
-    # The fingerprints that the restore's check and every save dispatch: a kept executable loads on a thread
-    # beside the step's compile (on a TPU v5e that load took 4 s of a restart, docs/performance.md); one not
-    # kept compiles after it. No `prepare`: a loop that takes none (the plain Orbax baseline of benchmarks/).
-    prepared = prepare(program.abstract_state) if prepare is not None else None
+    event_files.preload()
     if hasattr(program.batch_fn, "lower"):  # synthetic: a jitted draw (records are read, not compiled)
         program.batch_fn.lower(0).compile()
-    program.step_fn.lower(program.abstract_state, program.abstract_batch).compile()
+    lowered = program.step_fn.lower(program.abstract_state, program.abstract_batch)  # the trace: the interpreter's
+    # The fingerprints that the restore's check and every save dispatch: a kept executable loads on a thread
+    # beside the step's compile (on a TPU v5e that load took 4 s of a restart, docs/performance.md); one not
+    # kept compiles after it. With it the probes' summaries compile on a thread (where the devices take them).
+    # Started after the step's trace, so their own trace takes the interpreter while XLA compiles or loads the
+    # step, not while the step is traced. No `prepare`: a loop that takes none (the plain Orbax baseline).
+    prepared = prepare(program.abstract_state) if prepare is not None else None
+    lowered.compile()
     if prepared is not None:
         logging.info("save marks' fingerprints: %s (process %d)", prepared.result(), jax.process_index())
     if fresh:
@@ -172,7 +196,7 @@ def resumed_code(config: TrainConfig, workdir: Workdir, traced: dict[str, str] |
 
 
 def train(config: TrainConfig, startup_phases: dict[str, float] | None = None,
-          opened_at: float | None = None) -> TrainResult:
+          opened_at: float | None = None, open_parts: OpenParts | None = None) -> TrainResult:
     """Trains up to `config.steps`, resuming per --resume_from and saving per the config.
 
     `startup_phases` are the entry point's own phases (process start, distributed start-up), logged
@@ -183,8 +207,9 @@ def train(config: TrainConfig, startup_phases: dict[str, float] | None = None,
     anything is written (a refused trainer leaves the workdir as it was); it is released on every exit.
     """
     opened_at = time.perf_counter() if opened_at is None else opened_at
+    open_parts = OpenParts(opened_at) if open_parts is None else open_parts  # the entry point's, marked so far
     with matmul_precision(config.matmul_precision):
-        return _open_and_train(config, startup_phases, opened_at)
+        return _open_and_train(config, startup_phases, opened_at, open_parts)
 
 
 @contextlib.contextmanager
@@ -200,23 +225,28 @@ def matmul_precision(value: str):
         jax.config.update("jax_default_matmul_precision", previous)
 
 
-def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None, opened_at: float) -> TrainResult:
+def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None, opened_at: float,
+                    open_parts: OpenParts) -> TrainResult:
     mesh = build_mesh(config)
     # The record files are opened and checked first: a bad glob or file, or other files than the
     # checkpoints were trained on, is refused before the Checkpointer takes the lease (nothing written).
     inputs = data.open_inputs(models.resolve(config.model), config, mesh)
+    open_parts.mark("inputs")
     watchdog = None
     try:
         workdir = Workdir(config.workdir)  # one open for the whole start-up: each manifest read once
         if os.path.isdir(workdir) or workdir.startswith("gs://"):
             check_resumed_data(config, inputs, workdir)
+        open_parts.mark("resume_check")
         # What computes the numbers, traced abstractly from the functions build_program compiles next (its cost
         # against the compile: benchmarks/compile_bench.py); the code identity a resume is checked by.
         begin = time.perf_counter()
         traced = computation(config)
         phases = {**(startup_phases or {}), "computation": time.perf_counter() - begin}
+        open_parts.mark("computation")
         watchdog = Watchdog(config.watchdog_secs)
         with open_checkpointer(config, mesh, watchdog, inputs, workdir, traced) as checkpointer:
+            open_parts.mark("checkpointer")
             # Logged once the run is admitted: a refused run prints its one error line and nothing else.
             for name, secs in phases.items():
                 log_phase(name, secs)
@@ -224,7 +254,7 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
             changed = checkpointer.run.config[CODE_FIELD].get("changed_from")
             if changed and jax.process_index() == 0:  # recorded in every manifest of this attempt
                 logging.warning("code changed since the newest checkpoint: %s", "; ".join(changed))
-            return _train(config, mesh, checkpointer, watchdog, inputs, opened_at)
+            return _train(config, mesh, checkpointer, watchdog, inputs, opened_at, open_parts)
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -232,12 +262,14 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
 
 
 def _train(config: TrainConfig, mesh, checkpointer: Checkpointer, watchdog: Watchdog,
-           inputs: data.Inputs | None, opened_at: float) -> TrainResult:
+           inputs: data.Inputs | None, opened_at: float, open_parts: OpenParts) -> TrainResult:
     program = build_program(config, mesh, inputs)
     if jax.process_index() == 0:
         logging.info("model %s on mesh %s (%d processes), %d steps", config.model,
                      format_mesh(config.mesh), jax.process_count(), config.steps)
+    open_parts.mark("program")
     log_phase("open", time.perf_counter() - opened_at)
+    open_parts.log()
     begin = time.perf_counter()
     compile_program(program, fresh=not checkpointer.resume_candidates, prepare=checkpointer.prepare)
     log_phase("compile", time.perf_counter() - begin)

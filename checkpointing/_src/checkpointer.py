@@ -120,8 +120,11 @@ class Checkpointer:
         """Optional, on every process: makes the fingerprints of states like `abstract_state` ahead, so the
         restore's check and a preemption's save compile nothing. Returns at once, loading the executable an
         earlier launch kept on a thread (beside the caller's compiles); `.result()` waits for it, or compiles
-        it on the calling thread, and returns "disk" or "compiled". restore_or_init waits for it."""
+        it on the calling thread, and returns "disk" or "compiled". restore_or_init waits for it. Where the probes
+        take their summaries on the devices, their compile starts here too, on a thread of its own."""
         self._prepared = marking.Prepared(abstract_state)
+        if self._device_summaries(abstract_state):  # beside the caller's compiles, not after its restore
+            marking.summaries_ahead(abstract_state)
         return self._prepared
 
     def restore_or_init(self, abstract_state, init_fn: Callable[[], object]) -> restore_lib.RestoreResult:
@@ -153,13 +156,21 @@ class Checkpointer:
     def _probe_recorder(self, start: restore_lib.RestoreResult, abstract_state) -> ProbeRecorder | None:
         if not self.options.probe_steps or self.run.program is None:
             return None  # a run the verifier does not replay needs no probes
-        on_host = self.options.probe_summaries == AUTO and probes.host_held(abstract_state)
-        if not on_host:  # on_step dispatches them at a window's end: compiled on a thread as the loop starts
+        on_host = not self._device_summaries(abstract_state)
+        if not on_host:  # on_step dispatches them at a window's end: compiled on a thread (from prepare, if called)
             marking.summaries_ahead(abstract_state)
         recorder = ProbeRecorder(self.workdir, self.options.probe_steps, self.total_steps, self.run.mesh, on_host)
         if start.tier == "persistent":
             recorder.saved(start.step, committed=True)  # if the attempt that saved it died first, this one records it
         return recorder
+
+    def _device_summaries(self, abstract_state) -> bool:
+        """Whether this run's probes take their summaries on the devices (compiled on a thread): probes are
+        recorded (a program the verifier replays) and the state is not held whole on process 0's host. Started
+        at prepare, the compile runs beside the step's: on a TPU v5e, started at the restore, the first probe
+        waited 3.7 s for what was left of it (docs/performance.md)."""
+        return bool(self.options.probe_steps and self.run.program is not None) and not (
+            self.options.probe_summaries == AUTO and probes.host_held(abstract_state))
 
     # --- saving --------------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ in, and save() dispatches none (checkpointing/_src/marking.py):
 The marks (uint32[n, 2] fingerprints, float32[n, 2] summaries; None where not asked), two executables per
 layout: the fingerprints (each device hashes its slice, one all-reduce), compiled before a restart's restore,
 and the summaries where the probe does not take them on the host (checkpointing/_src/probes.py), compiled on a
-thread while the loop trains (`compile_summaries_ahead`: at the first probe they stopped a TPU's loop 6-15 s).
+thread beside the step's compile (`compile_summaries_ahead`, from Checkpointer.prepare: compiled at the first
+probe they stopped a TPU's loop 6-15 s; started at the restore, 3.7 s).
 Neither holds a conditional nor is inside the step (that changed how XLA compiled the update). `step_marks`:
 the same in a caller's jit, asked by a bool[2] `flags` (benchmarks' baseline). An unasked save (time-based,
 preemption) dispatches the fingerprints itself.
@@ -195,6 +196,11 @@ class MarksFn:
         if self._summaries_ahead is None:
             self._summaries_ahead = _AHEAD.submit(lambda: self.summaries.lower(abstract_state).compile())
 
+    def summaries_compiled(self) -> None:
+        """Waits for compile_summaries_ahead's compile, if one was started (its failure is summary()'s to handle)."""
+        if self._summaries_ahead is not None:
+            concurrent.futures.wait([self._summaries_ahead])
+
     def summary(self, state) -> jax.Array:  # a compile ahead that failed or does not fit: jit compiles its own
         ahead = self._summaries_ahead
         if ahead is not None and ahead.exception() is None:
@@ -234,6 +240,8 @@ def compile_marks(abstract_state, *, load_only: bool = False) -> str | None:
     collective). Returns "disk" or "compiled"; `load_only`: None where none is kept (safe beside a compile)."""
     marks = marks_fn(jax.tree.map(lambda x: x.sharding, abstract_state))
     source = "disk"
+    if not load_only:  # a compile kept on disk turns JAX's persistent cache off: no summaries compile beside it
+        marks.summaries_compiled()
     if load_only:
         marks.compiled = executables.load_kept("marks-fingerprints", (abstract_state,), _FINGERPRINT_SOURCES)
     else:

@@ -153,6 +153,9 @@ class Saver:
         """Waits for the last persistent save (AsyncSaveError if it failed), then the local one's
         (whose failure is one error line, never the run's)."""
         self._service.close()
+        if self._save_started is not None and jax.process_index() == 0:
+            logging.info("checkpoint: step %d committed in %.3fs (save() to commit, at close)", self._last_saved,
+                         self._clock() - self._save_started)
         if self._probes is not None:
             if self._save_started is not None:
                 self._probes.committed(self._last_saved)
@@ -178,9 +181,10 @@ class Saver:
         if self._save_started is not None:
             # The previous save is still writing: Orbax would wait for it inside save() anyway;
             # waiting here first records its commit time instead of losing it.
+            waiting = self._clock()
             self._service.wait_until_finished()
             committed = (self._last_saved,)
-            self._committed(self._clock())
+            self._committed(self._clock(), waited=self._clock() - waiting)
         losses = self.losses.until(step)
         started = self._clock()
         self._service.save(step, state, losses=losses, reason=reason, extra=self._extra(), fingerprints=self._marked)
@@ -256,9 +260,13 @@ class Saver:
             extra["metrics"] = dict(self._metrics)
         return extra
 
-    def _committed(self, now: float) -> None:
-        """The save in flight committed (seen at this step boundary): record its time, adapt."""
+    def _committed(self, now: float, waited: float | None = None) -> None:
+        """The save in flight committed (seen at this step boundary, or `waited` for by the next save): record its
+        time, adapt."""
         self.schedule.committed(now - self._save_started)
+        if jax.process_index() == 0:  # the hand-off line's partner: what a write-bound cadence pays per save
+            logging.info("checkpoint: step %d committed in %.3fs (save() to commit)%s", self._last_saved,
+                         now - self._save_started, "" if waited is None else f" (the next save waited {waited:.3f}s)")
         self._save_started = None
         if self._probes is not None:
             self._probes.committed(self._last_saved)
