@@ -38,7 +38,7 @@ def test_a_step_of_another_run_fails_naming_the_field_and_latest_verified_falls_
     shutil.copytree(helpers.checkpoint_dir(foreign.workdir, "30"), helpers.checkpoint_dir(workdir, "30"))
     before = helpers.committed_snapshot(workdir)
     result = verify_once(workdir)
-    assert helpers.fault_line(result, 1) == "error: failing verdicts for steps [30]"
+    assert helpers.fault_line(result, 1).startswith("error: failing verdicts for steps [30] (")
     found = verdicts.read_all(workdir)
     assert (found[30]["level"], found[30]["status"]) == ("intact", "fail"), found[30]
     assert "step 30 is not this run's" in found[30]["detail"] and field in found[30]["detail"]
@@ -61,7 +61,7 @@ def test_a_step_replaced_after_its_proof_loses_its_verdict_and_never_anchors(wor
         "stale: another save (unproved)"), table.stdout
     before = helpers.committed_snapshot(workdir)
     result = verify_once(workdir)
-    assert helpers.fault_line(result, 1) == "error: failing verdicts for steps [20]"
+    assert helpers.fault_line(result, 1).startswith("error: failing verdicts for steps [20] (")
     found = verdicts.read_all(workdir)
     assert (found[20]["level"], found[20]["status"]) == ("reproduced", "fail"), found[20]
     assert (found[30]["level"], found[30]["status"], found[30]["replayed_from"]) == ("reproduced", "pass", 10)
@@ -85,7 +85,7 @@ def test_a_damaged_config_in_a_manifest_is_that_steps_failed_verdict_and_the_ver
     edit_manifest(workdir, step, damage(edit))
     before = helpers.committed_snapshot(workdir)
     result = verify_once(workdir)
-    assert helpers.fault_line(result, 1) == f"error: failing verdicts for steps [{step}]"
+    assert helpers.fault_line(result, 1).startswith(f"error: failing verdicts for steps [{step}] (")
     found = verdicts.read_all(workdir)
     assert (found[step]["level"], found[step]["status"]) == ("intact", "fail") and named in found[step]["detail"]
     assert "\n" not in found[step]["detail"]
@@ -113,7 +113,8 @@ def test_sigterm_stops_the_verifier_within_seconds_and_it_keeps_following_past_a
         code = verifier.wait(timeout=60)
         took = time.monotonic() - signalled
     text = open(log).read()
-    assert code == 1 and text.strip().splitlines()[-1] == "error: failing verdicts for steps [30]", text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("error: failing verdicts for steps [30] ("), text[-3000:]
     assert took < 3, f"the verifier took {took:.1f}s to stop"
     assert verdicts.read(workdir, 30)["status"] == "fail" and verdicts.read(workdir, 20)["level"] == "reproduced"
     helpers.assert_committed_intact(before, workdir)

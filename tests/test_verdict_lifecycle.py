@@ -41,7 +41,8 @@ def test_a_complete_verdict_is_redone_only_with_reverify(workdir, trained_copy, 
     shutil.rmtree(os.path.join(helpers.checkpoint_dir(workdir, "30"), workdir_lib.STATE_ITEM))
     shutil.copytree(original, os.path.join(helpers.checkpoint_dir(workdir, "30"), workdir_lib.STATE_ITEM))
     again = verify(workdir)
-    assert helpers.fault_line(again, 1) == "error: failing verdicts for steps [30]" and proved_now(again) == []
+    assert helpers.fault_line(again, 1).startswith("error: failing verdicts for steps [30] (")
+    assert proved_now(again) == []
     # ...only when asked: the chosen steps, once.
     redone = verify(workdir, "--reverify=30")
     assert redone.returncode == 0 and proved_now(redone) == [30], redone.stderr[-3000:]
@@ -75,10 +76,10 @@ class DeletesStep20(Verifier):
             self._delete_20()
         return super()._prove(step, held, disk_anchor)
 
-    def _replay(self, program, state, start_step, count, batches=None):
+    def _replay(self, program, state, start_step, count, batches=None, perturb=None):
         if self._proving == 20 and self.when == "during its replay":
             self._delete_20()
-        return super()._replay(program, state, start_step, count, batches)
+        return super()._replay(program, state, start_step, count, batches, perturb)
 
 
 @pytest.mark.parametrize("when", ["before its replay", "during its replay"])

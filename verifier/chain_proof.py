@@ -84,7 +84,8 @@ class ChainProver:
                                  durations)
         # The anchor's save too: a chain of trust that crossed a change of computation says so instead of
         # passing, and never fails (the replay would prove the other computation, not the step).
-        change = program_lib.code_change(program, self._manifests_between(anchor.step - 1, step) + [manifest])
+        between = self._manifests_between(anchor.step - 1, step, manifest["fixed_hash"])
+        change = program_lib.code_change(program, between + [manifest])
         if change is not None:
             return self._verdict(step, manifest, "reproduced", "inconclusive",
                                  f"fingerprints equal; not reproduced: the computation changed on the way from "
@@ -300,13 +301,16 @@ class ChainProver:
                 return False
         return True
 
-    def _manifests_between(self, first: int, last: int) -> list[dict]:
-        """The manifests of the committed steps strictly between `first` and `last` (unreadable: skipped)."""
+    def _manifests_between(self, first: int, last: int, fixed_hash: str) -> list[dict]:
+        """The manifests of this run's committed steps strictly between `first` and `last`: unreadable ones and
+        another run's (its own verdict fails it) say nothing of the code that computed this run's interval."""
         found = []
         for other in committed_steps(self._options.workdir):
             if first < other < last:
                 try:
-                    found.append(read_manifest(self._options.workdir, other))
+                    manifest = read_manifest(self._options.workdir, other)
                 except CheckpointError:
                     continue
+                if manifest["fixed_hash"] == fixed_hash:
+                    found.append(manifest)
         return found
