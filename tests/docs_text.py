@@ -10,7 +10,9 @@ The matching is deliberately simple, and these are its rules:
 - the names docs/api.md lists are the leading identifier of every backticked item in the first
   column of its tables whose first header is `name`, and every name of a `from checkpointing import`;
 - a section is run when its `## ` heading is followed by a blank line and the marker comment
-  `<!-- tests/test_docs.py runs ...`: every ```python block in it, up to the next `## ` heading.
+  `<!-- tests/test_docs.py runs ...`: every ```python block in it, up to the next `## ` heading;
+- a shell command (tests/test_readme.py) is a line of a ```bash block, a line ending in `\\` joined
+  with the next, a comment (a `#` starting a word outside quotes) and blank lines dropped.
 """
 
 import pathlib
@@ -93,12 +95,19 @@ def run_sections(path: pathlib.Path) -> list[tuple[str, list[tuple[int, str]]]]:
 
 def python_blocks(lines: list[str], start: int) -> list[tuple[int, str]]:
     """The ```python blocks from line index `start` to the next `## ` heading, with their line numbers."""
+    return fenced_blocks(lines, "python", start, section_only=True)
+
+
+def fenced_blocks(lines: list[str], language: str, start: int = 0,
+                  section_only: bool = False) -> list[tuple[int, str]]:
+    """[(line number of its first code line, code)] of every ```<language> block from line index
+    `start` (to the next `## ` heading if `section_only`)."""
     blocks, current, first = [], None, 0
     for number in range(start, len(lines)):
         line = lines[number]
-        if current is None and line.startswith("## "):
+        if current is None and section_only and line.startswith("## "):
             break
-        if current is None and line.strip() == "```python":
+        if current is None and line.strip() == "```" + language:
             current, first = [], number + 2
         elif current is not None and line.strip() == "```":
             blocks.append((first, "\n".join(current)))
@@ -106,6 +115,35 @@ def python_blocks(lines: list[str], start: int) -> list[tuple[int, str]]:
         elif current is not None:
             current.append(line)
     return blocks
+
+
+def fence_languages(path: pathlib.Path) -> list[str]:
+    """The language of every fenced block of `path` ("" for a plain one), in order."""
+    return re.findall(r"^```(\S*)\n.*?^```$", path.read_text(), flags=re.S | re.M)
+
+
+def shell_commands(code: str) -> list[str]:
+    """The commands of a ```bash block: its lines, continuations joined, comments and blank lines dropped."""
+    return [command for command in map(without_comment, joined_lines(code)) if command]
+
+
+def readme_commands() -> list[tuple[int, str]]:
+    """[(line number of its block, command)] of every shell command of README.md, in order."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    return [(number, command) for number, code in fenced_blocks(lines, "bash") for command in shell_commands(code)]
+
+
+def without_comment(line: str) -> str:
+    """`line` up to a `#` that starts a word outside quotes (a shell comment), trailing blanks dropped."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
 
 
 def slug(heading: str) -> str:

@@ -10,7 +10,6 @@ import concurrent.futures
 import importlib
 import inspect
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -129,9 +128,7 @@ ADDED = {"examples.own_loop": {"steps": "4", "save_every_steps": "2"}}
 
 def readme_command_lines(*modules: str) -> list[str]:
     """The README's code lines that run `python -m` of each of `modules`, in the README's order."""
-    text = (docs_text.ROOT / "README.md").read_text()
-    code = "\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.S))
-    lines = [line for line in docs_text.joined_lines(code) if any(f"python -m {m} " in line for m in modules)]
+    lines = [line for _, line in docs_text.readme_commands() if any(f"python -m {m} " in line for m in modules)]
     assert lines, f"no README command runs {modules}"
     return lines
 
