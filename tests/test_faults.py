@@ -137,7 +137,7 @@ def test_disk_full_verdict_write_is_one_line_and_leaves_no_tmp_file(small_disk, 
     fill(small_disk)
 
     result = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
-                                "--replay_steps=0", device_count=2)
+                                "--replay_steps=1", device_count=2)
     line = helpers.fault_line(result, exit_codes.FAILURE)
     path = workdir_lib.verdict_file(workdir, 10)
     assert line == f"error: verdict of step 10: cannot write {path}: no space left on device", line
