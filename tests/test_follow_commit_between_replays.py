@@ -61,8 +61,8 @@ def test_a_commit_made_during_a_probes_marked_step_is_proved_before_the_next_rep
             verifier.events.append(("committed", 30))
         return out
 
-    def replay_losses(program, state, first, steps, batches=None):
-        out = real_replay(program, state, first, steps, batches)
+    def replay_losses(program, state, first, steps, batches=None, perturb=None):
+        out = real_replay(program, state, first, steps, batches, perturb)
         verifier.events.append(("chunk", first))
         return out
 
