@@ -1,4 +1,4 @@
-"""The platform in the proof: a run recorded on another platform is proved within the noise of a layout change
+"""The platform in the proof: a run recorded on another platform is proved within the bound across layouts
 where it can be, and where it differs beyond it the verdict is inconclusive, never fail, at any matmul precision
 (a TPU v5e's genuine transformer at --matmul_precision=highest replayed on CPU 191-3942x that noise,
 docs/verifier.md); only an integer leaf, exact everywhere, still fails there. No accelerator here: the platform
