@@ -294,11 +294,11 @@ def summary(result: dict) -> list[str]:
 
 
 def inconclusive_reasons(steps: list[dict]) -> list[tuple[str, int]]:
-    """Each reason an inconclusive verdict gives (its detail up to the first ':'), with its count."""
+    """Each reason an inconclusive verdict gives (its detail after what was replayed), with its count."""
     reasons: dict[str, int] = {}
     for step in steps:
         if step["status"] == "inconclusive":
-            reason = step["detail"].split(":")[0][:160]
+            reason = step["detail"].split(": ", 1)[-1][:160]
             reasons[reason] = reasons.get(reason, 0) + 1
     return sorted(reasons.items(), key=lambda item: -item[1])
 
