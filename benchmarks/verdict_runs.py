@@ -19,6 +19,7 @@ import sys
 from checkpointing import CheckpointConfig, Checkpointer
 from checkpointing._src.workdir import committed_steps
 from checkpointing._src import verdicts
+from runtime import exit_codes
 from tests import helpers
 from tests.records_train import lm_flags
 from trainer import loop
@@ -51,22 +52,28 @@ FAMILIES = {
 }
 
 
-def train(family: Family, seed: int, workdir: str, scratch: str) -> None:
-    """One genuine run of `family` with `seed` into `workdir`."""
+def train(family: Family, seed: int, workdir: str, scratch: str, interval: int | None = None,
+          recording: str = RECORDING) -> None:
+    """One genuine run of `family` with `seed` into `workdir`: its own run, or (with `interval`) two intervals of
+    that many steps (saves at `interval` and 2 x `interval`), recorded on `recording`."""
+    overrides = dict(family.overrides)
+    if interval is not None:
+        overrides.update(steps=2 * interval, save_every_steps=interval, max_to_keep=100)
     if family.trainer == "own_loop":
-        train_own_loop(workdir, seed, **family.overrides)
+        train_own_loop(workdir, seed, mesh=recording, **overrides)
     elif family.trainer == "records_pod":
         train_records_pod(workdir, seed, records_corpus(scratch))
     else:
-        loop.train(helpers.small_config(workdir, **{**family.overrides, "seed": seed}))
+        loop.train(helpers.small_config(workdir, mesh=recording, **{**overrides, "seed": seed}))
 
 
-def train_own_loop(workdir: str, seed: int, steps: int, save_every_steps: int, max_to_keep: int) -> None:
+def train_own_loop(workdir: str, seed: int, steps: int, save_every_steps: int, max_to_keep: int,
+                   mesh: str = RECORDING) -> None:
     """examples/own_loop.py's main with another seed: its program, under the public Checkpointer."""
     from examples import own_loop
 
     config = {**own_loop.CONFIG, "seed": seed}
-    mesh = own_loop.make_mesh(RECORDING)
+    mesh = own_loop.make_mesh(mesh)
     program = own_loop.replay_program(config, mesh)
     options = CheckpointConfig(save_every_steps=save_every_steps, max_to_keep=max_to_keep)
     with Checkpointer(workdir, options, config=config, fixed=config, mesh=mesh, total_steps=steps,
@@ -125,6 +132,10 @@ class StepResult:
     ratio: float | None  # the verdict's evidence ratio (None: bit-exact or not replayed)
     cheap_ratio: float | None  # the cheap proof's, where it ran across layouts
     detail: str
+    proved: bool = False  # verdicts.is_proved: what `verify` counts towards its exit 0
+    replayed_steps: int = 0  # the steps the full proof replayed on the verifier's layout
+    replays: int = 0  # the evidence's replays (the verifier's own and its ensemble's members); 0: none recorded
+    perturbation: float = 0.0  # the largest relative perturbation per step of a member
 
     @property
     def ratios(self) -> list[float]:
@@ -138,8 +149,11 @@ class Verification:
 
     @property
     def exit_code(self) -> int:
-        """python -m verifier.verify --once's: 1 when a committed step's verdict failed (verify.failing_steps)."""
-        return 1 if any(s.status == "fail" for s in self.steps.values()) else 0
+        """python -m verifier.verify --once's (verify.exit_code): 1 when a committed step's verdict failed, else
+        UNPROVED (3) when one is not proved (intact, replayed, inconclusive, error), else 0."""
+        if any(s.status == "fail" for s in self.steps.values()):
+            return exit_codes.FAILURE
+        return exit_codes.OK if all(s.proved for s in self.steps.values()) else exit_codes.UNPROVED
 
     def count(self, status: str) -> int:
         return sum(s.status == status for s in self.steps.values())
@@ -167,10 +181,15 @@ def verify(workdir: str, mesh: str, max_steps: int | None = None) -> Verificatio
     with cheap_proofs_seen() as cheap:
         Verifier(VerifierOptions(workdir=workdir, mesh=parse_mesh(mesh))).verify_pending(max_steps)
     found = verdicts.current_steps(workdir, committed_steps(workdir))
-    return Verification(mesh, {step: StepResult(step, v["level"], v["status"], v.get("replayed_from"),
-                                                _finite((v.get("evidence") or {}).get("ratio")),
-                                                _cheap_ratio(cheap.get(step)), v["detail"])
-                               for step, v in sorted(found.items())})
+    return Verification(mesh, {step: _result(step, v, cheap.get(step)) for step, v in sorted(found.items())})
+
+
+def _result(step: int, verdict: dict, cheap) -> StepResult:
+    evidence = verdict.get("evidence") or {}
+    return StepResult(step, verdict["level"], verdict["status"], verdict.get("replayed_from"),
+                      _finite(evidence.get("ratio")), _cheap_ratio(cheap), verdict["detail"],
+                      proved=verdicts.is_proved(verdict), replayed_steps=int(verdict.get("replayed_steps") or 0),
+                      replays=int(evidence.get("replays") or 0), perturbation=float(evidence.get("perturbation") or 0))
 
 
 def verify_copy(workdir: str, mesh: str, copy_to: str) -> Verification:

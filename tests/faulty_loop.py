@@ -13,6 +13,9 @@ checkpoints are the trainer's bit for bit. A fault breaks what a buggy resume or
   repeated_batch           after a resume, the last batch before it drawn again (every later one a step behind)
   corrupt                  one step's output changed: element `index` of leaf `leaf` times (1 + size), at
                            step `at_step` (a wrong value between two saves; each save is of the state it holds)
+  corrupt_input            one step's input changed: element `index` of the batch's first float leaf times
+                           (1 + size), for the step that makes counter `at_step` and, with `every`, each
+                           `every` steps after it (a flaky host's read: the state carries it on, consistently)
 
 Every save is consistent with the state the loop held: its fingerprints, losses and probes are the loop's own.
 """
@@ -38,7 +41,15 @@ class Fault:
     size: float = 0.0  # corrupt: the relative change; other_learning_rate: the factor
     at_step: int = 0  # corrupt: the step counter of the state changed
     leaf: str = KERNEL  # corrupt: the leaf changed
-    index: tuple[int, ...] = (3, 7)  # corrupt: its element
+    index: tuple[int, ...] = (3, 7)  # corrupt, corrupt_input: its element
+    every: int = 0  # corrupt_input: the step corrupted again every this many steps (0: once)
+
+
+def input_corrupted_at(fault: Fault, counter: int) -> bool:
+    """Whether the batch of the step that makes state counter `counter` is corrupted."""
+    if fault.kind != "corrupt_input" or counter < fault.at_step:
+        return False
+    return counter == fault.at_step or (fault.every > 0 and (counter - fault.at_step) % fault.every == 0)
 
 
 def batch_step(fault: Fault, step: int, resumed_at: int) -> int:
@@ -71,6 +82,23 @@ def corrupted(fault: Fault, state):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def corrupted_batch(fault: Fault, batch):
+    """`batch` with one element of its first float leaf times (1 + fault.size): the step's input, on its
+    shardings, as a host that read one value wrong would have fed it."""
+    flat, treedef = jax.tree_util.tree_flatten(batch)
+    leaves, done = [], False
+    for leaf in flat:
+        if not done and jnp.issubdtype(leaf.dtype, jnp.floating):
+            host = np.array(leaf)
+            index = tuple(min(i, n - 1) for i, n in zip(fault.index, host.shape))
+            host[index] = host[index] * host.dtype.type(1 + fault.size)
+            leaf, done = jax.device_put(host, leaf.sharding), True
+        leaves.append(leaf)
+    if not done:
+        raise ValueError("corrupt_input: the batch has no float leaf (token inputs: corrupt a leaf of the state)")
+    return jax.tree.unflatten(treedef, leaves)
+
+
 def tree_like(tree, like):
     return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(tree))
 
@@ -90,8 +118,10 @@ def train(config: TrainConfig, fault: Fault = Fault()) -> None:
                 stepping = build_program(other, mesh)
         for step in range(start.step, config.steps):
             # Another program's state carries its own optimizer as static tree data: same leaves, its tree.
-            stepped, loss = stepping.step_fn(tree_like(state, stepping.abstract_state),
-                                             stepping.batch_fn(batch_step(fault, step, start.step)))
+            batch = stepping.batch_fn(batch_step(fault, step, start.step))
+            if input_corrupted_at(fault, step + 1):
+                batch = corrupted_batch(fault, batch)
+            stepped, loss = stepping.step_fn(tree_like(state, stepping.abstract_state), batch)
             state = tree_like(stepped, program.abstract_state)
             if fault.kind == "corrupt" and step + 1 == fault.at_step:
                 state = corrupted(fault, state)

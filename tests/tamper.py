@@ -139,6 +139,28 @@ def scale_one_leaf(path: str = KERNEL, size: float = 1e-3):
     return mutate
 
 
+def shift_leaf(path: str, by: float):
+    """A mutation: the leaf at `path` plus `by` (every element), every other leaf as it was."""
+
+    def mutate(state):
+        leaf = _leaf(state, path)
+        return _replace_leaves(state, {path: leaf + jnp.asarray(by, leaf.dtype)})
+
+    return mutate
+
+
+def noisy_params(size: float):
+    """A mutation: every parameter times (1 + size * noise) (perturb_params at another size)."""
+
+    def mutate(state):
+        leaves, treedef = jax.tree.flatten(state.params)
+        keys = jax.random.split(jax.random.key(7), len(leaves))
+        noisy = [leaf * (1 + size * jax.random.normal(key, leaf.shape, leaf.dtype)) for leaf, key in zip(leaves, keys)]
+        return state.replace(params=jax.tree.unflatten(treedef, noisy))
+
+    return mutate
+
+
 def flip_one_sign(path: str = MU_BIAS):
     """A mutation: the sign of one element of the leaf at `path`, its largest in magnitude (a flipped zero
     would change nothing)."""

@@ -1,4 +1,4 @@
-"""Issue 49's acceptance matrix, the slice CI runs (benchmarks/verdict_matrix.py measures the whole, and
+"""Issues 49 and 56: the acceptance matrix, the slice CI runs (benchmarks/verdict_matrix.py measures the whole, and
 docs/verifier.md has its numbers): genuine runs of every model family pass on a layout that did not record
 them, every kind of broken run fails the step it broke and the steps before it pass, arrays forged to
 collide with the recorded fingerprints fail, and a silent corruption between two saves is caught on the
@@ -42,6 +42,15 @@ def assert_genuine(verification, steps=(5, 10)) -> None:
 def test_a_genuine_run_passes_on_a_layout_that_did_not_record_it(trained_copy, model, mesh):
     config = trained_copy(**GENUINE, model=model, seed=1)
     assert_genuine(verdict_runs.verify(config.workdir, mesh))
+
+
+def test_a_run_recorded_on_eight_devices_is_proved_by_a_verifier_of_four(trained_copy):
+    """Issue 56's design in small: recorded on data=8, proved on data=2,model=2 (4 of the 8 devices), every
+    step proved, so `verify --once` would exit 0."""
+    config = trained_copy(**GENUINE, mesh="data=8", seed=1)
+    found = verdict_runs.verify(config.workdir, "data=2,model=2")
+    assert_genuine(found)
+    assert found.exit_code == 0 and all(s.replays >= 3 and s.perturbation > 0 for s in found.steps.values())
 
 
 def test_the_bfloat16_transformer_passes_on_another_layout(trained_copy):
@@ -122,6 +131,17 @@ def test_a_step_of_a_run_with_another_seed_fails_alone(trained_copy, trained_run
     found = verdict_runs.verify(config.workdir, RECORDING)
     assert statuses(found) == {10: ("reproduced", "pass"), 20: ("intact", "fail"), 30: ("reproduced", "pass")}
     assert "not this run's" in found.steps[20].detail and found.steps[30].replayed_from == 10
+
+
+def test_one_wrong_input_element_fails_the_save_after_it_on_the_recording_layout(tmp_path):
+    """A flaky host's read: one input element of step 15 times (1 + 1e-6), the state carrying it on
+    consistently. Bit for bit on the recording layout, 20 fails and 10 passes."""
+    config = helpers.small_config(str(tmp_path / "run"), **{**RUN, "steps": 20})
+    faulty_loop.train(config, faulty_loop.Fault("corrupt_input", 1e-6, at_step=15, every=29))
+    found = verdict_runs.verify(config.workdir, RECORDING)
+    assert statuses(found) == {10: ("reproduced", "pass"), 20: ("reproduced", "fail")}, [
+        s.detail for s in found.steps.values()]
+    assert found.exit_code == 1
 
 
 @pytest.mark.parametrize("mesh, size", [(RECORDING, 1e-6), ("data=2", 1e-2)])
