@@ -9,7 +9,7 @@ one command measures both sides:
   PYTHONPATH=/tmp/before .venv/bin/python benchmarks/proof_cost.py --verifier_mesh=data=2    # before
   PYTHONPATH=. .venv/bin/python benchmarks/proof_cost.py --verifier_mesh=data=2              # after
 
-Prints one line per run (interval, verdicts, full-proof and cheap-proof steps replayed, both per trainer step).
+Prints a table row per run: full-proof and cheap-proof steps replayed per trainer step, and the verdicts.
 """
 
 import os
@@ -80,6 +80,8 @@ class Counter:
 def main(argv) -> None:
     del argv
     scratch = tempfile.mkdtemp(prefix="proof_cost-")
+    print(f"| interval | trainer steps | full proof, replayed per trainer step | cheap proof, per trainer step | "
+          f"total | verdicts on {_MESH.value} |\n|---|---|---|---|---|---|", flush=True)
     try:
         for interval in (int(i) for i in _INTERVALS.value):
             workdir = os.path.join(scratch, f"run-{interval}")
@@ -90,14 +92,11 @@ def main(argv) -> None:
                 Verifier(VerifierOptions(workdir=workdir, mesh=parse_mesh(_MESH.value))).verify_pending()
             found = verdicts.current_steps(workdir, committed_steps(workdir))
             said = ", ".join(f"{s}: {v['level']} {v['status']}" for s, v in sorted(found.items()))
-            print(f"interval {interval} ({steps} trainer steps) on {_MESH.value}: {said}; full proof "
-                  f"{counted.full} steps replayed ({counted.full / steps:.2f} per trainer step), cheap proof "
-                  f"{counted.cheap} ({counted.cheap / steps:.2f}); total {(counted.full + counted.cheap) / steps:.2f} "
-                  "per trainer step", flush=True)
+            print(f"| {interval} | {steps} | {counted.full / steps:.2f} | {counted.cheap / steps:.2f} | "
+                  f"{(counted.full + counted.cheap) / steps:.2f} | {said} |", flush=True)
             shutil.rmtree(workdir, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
 
 if __name__ == "__main__":
     app.run(main)

@@ -73,6 +73,7 @@ BENCHMARKS = {
               "train step: records, ms (median)", "train step: synthetic, ms (median)",
               "records: input wait per step, ms (median)", "records: batch call per step, ms (median)",
               "ratio: train step records / synthetic (target <= 1.05)")),
+    "proof_cost": Smallest(("--intervals=2",), rows=("2",), columns=(2, 3, 4)),
     "save_cost_trace": Smallest(
         ("--steps=8", "--every=4", "--offsets=2",
          "--model_flags=--model=mlp,--hidden_dim=16,--num_layers=1,--batch_size=8"),
@@ -83,9 +84,11 @@ BENCHMARKS = {
               "manifest_read", "verdict_listing", "2"),  # "2": the 2-process pod's rows (requests in column 2)
         columns=(2,)),
     "verdict_matrix": Smallest(
-        ("--groups=genuine,broken,silent", "--families=mlp", "--seeds=1", "--cases=zeroed_moments_saved",
+        ("--groups=genuine,broken,silent", "--design=families", "--families=mlp", "--seeds=1",
+         "--cases=zeroed_moments_saved",
          "--broken_meshes=data=2", "--silent_sizes=1e-2", "--silent_meshes=data=2"),
-        rows=("mlp", "1e-2", "genuine runs", "largest genuine ratio", "broken runs detected", "smallest broken ratio")),
+        rows=("mlp", "genuine runs", "largest genuine ratio", "broken runs detected", "smallest broken ratio",
+              "silent corruption (mlp, kernel): smallest size caught on data=2")),
     "verifier_bench": Smallest(
         ("--min_state_mib=0", "--hidden_dim=16", "--num_layers=2", "--steps=4", "--save_every_steps=2", "--rounds=1",
          "--restore_repeats=1"),
@@ -105,6 +108,7 @@ HELPERS = {
     "scale_protocol": ("scale_sim",),
     "scale_pod_child": ("scale_sim",),
     "verdict_broken": ("verdict_matrix",),
+    "verdict_design": ("verdict_matrix",),
     "verdict_runs": ("verdict_matrix",),
     "verifier_pace": ("verifier_bench", "device_bench"),
     "verifier_scan": ("verifier_bench", "device_bench"),
