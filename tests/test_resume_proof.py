@@ -68,8 +68,8 @@ def test_a_zero_budget_gives_every_save_the_cheap_proof_and_the_final_step_the_f
     assert not (found[10]["max_relative_difference"] <= 0.0), "another layout: rounding differs a little"
 
 
-def _restart_step_index(program, state, first, count, batches=None):
-    return program_lib.replay_losses(program, state, 0, count, batches)  # seed 003: the loop started again at 0
+def _restart_step_index(program, state, first, count, batches=None, perturb=None):
+    return program_lib.replay_losses(program, state, 0, count, batches, perturb)  # seed 003: the loop restarted at 0
 
 
 def _zero_moments(state):

@@ -185,9 +185,9 @@ def replaying_through(monkeypatch, on_chunk):
     """Wraps the real replay_losses: `on_chunk(first step, secs)` after each chunk."""
     real_replay = verifier_module.program_lib.replay_losses
 
-    def replay_losses(program, state, first, steps, batches=None):
+    def replay_losses(program, state, first, steps, batches=None, perturb=None):
         began = time.monotonic()
-        replayed = real_replay(program, state, first, steps, batches)
+        replayed = real_replay(program, state, first, steps, batches, perturb)
         on_chunk(first, time.monotonic() - began)
         return replayed
 
