@@ -8,7 +8,6 @@ import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -35,22 +34,6 @@ def statuses(verification) -> dict[int, tuple[str, str]]:
     return {step: (s.level, s.status) for step, s in verification.steps.items()}
 
 
-def shifted(path: str, by: float):
-    def mutate(state):
-        leaf = tamper._leaf(state, path)
-        return tamper._replace_leaves(state, {path: leaf + jnp.asarray(by, leaf.dtype)})
-    return mutate
-
-
-def params_noise(size: float):
-    def mutate(state):
-        leaves, treedef = jax.tree.flatten(state.params)
-        keys = jax.random.split(jax.random.key(7), len(leaves))
-        noisy = [leaf * (1 + size * jax.random.normal(key, leaf.shape, leaf.dtype)) for leaf, key in zip(leaves, keys)]
-        return state.replace(params=jax.tree.unflatten(treedef, noisy))
-    return mutate
-
-
 def test_the_wide_mlp_recorded_on_data4_model2_is_proved_on_two_devices(trained_copy):
     """The case that failed at 542x the old noise: seed 4 of the wide mlp, its first save of 20 steps, recorded on
     data=4,model=2 and verified by the README's command on 2 devices. Proved, and the verdict names the bound."""
@@ -71,8 +54,8 @@ def test_a_leaf_whose_spread_is_wide_is_still_judged(trained_copy):
     recomputed. The losses see neither; the leaves, judged against their own wide spread, do: 10 and 15 fail,
     each naming its leaf, and 5, untouched, is proved across layouts by a perturbed bound."""
     config = trained_copy(**BN)
-    tamper.rewrite_step(config, 10, shifted(BN_MEAN, 3.0), keep_saved_fingerprints=False)
-    tamper.rewrite_step(config, 15, shifted(BN_BIAS, 3.0), keep_saved_fingerprints=False)
+    tamper.rewrite_step(config, 10, tamper.shift_leaf(BN_MEAN, 3.0), keep_saved_fingerprints=False)
+    tamper.rewrite_step(config, 15, tamper.shift_leaf(BN_BIAS, 3.0), keep_saved_fingerprints=False)
     found = verdict_runs.verify(config.workdir, "data=2")
     assert statuses(found) == {5: ("reproduced", "pass"), 10: ("reproduced", "fail"), 15: ("reproduced", "fail")}, [
         s.detail for s in found.steps.values()]
@@ -87,7 +70,7 @@ def test_a_copied_directory_never_turns_the_recording_layout_into_a_tolerance(tr
     recomputed. On the recording layout step 30 still fails bit for bit; 10 and 20 pass."""
     config = trained_copy(**RUN)
     shutil.copytree(str(workdir_lib.step_dir(config.workdir, 20)), str(workdir_lib.step_dir(config.workdir, 25)))
-    tamper.rewrite_step(config, 30, params_noise(1e-5), keep_saved_fingerprints=False)
+    tamper.rewrite_step(config, 30, tamper.noisy_params(1e-5), keep_saved_fingerprints=False)
     found = verdict_runs.verify(config.workdir, "data=4,model=2")
     assert [found.steps[s].status for s in (10, 20, 30)] == ["pass", "pass", "fail"], [
         s.detail for s in found.steps.values()]
