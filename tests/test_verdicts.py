@@ -14,9 +14,20 @@ from checkpointing.errors import CheckpointError, ManifestError
 
 
 def verdict(step: int, level: str = "reproduced", status: str = "pass", **fields) -> dict:
-    return verdicts.make(step=step, level=level, status=status, detail=f"step {step}: test",
+    """A verdict as the verifier writes it: a proving one binds the content it proved (content_sha256)."""
+    made = verdicts.make(step=step, level=level, status=status, detail=f"step {step}: test",
                          checkpoint_mesh={"data": 4, "model": 2}, verifier_mesh={"data": 2},
                          durations_secs={"restore": 0.123456}, **fields)
+    if status == "pass" and level in verdicts.PROVED_LEVELS:
+        made["content_sha256"] = {".params['w']": "0" * 64}
+    return made
+
+
+def test_a_proving_verdict_without_the_content_it_proved_proves_nothing():
+    bound = verdict(10)
+    assert verdicts.is_proved(bound)
+    assert not verdicts.is_proved({k: v for k, v in bound.items() if k != "content_sha256"})
+    assert not verdicts.is_proved({**bound, "content_sha256": {}})
 
 
 def test_write_then_read_round_trips_and_leaves_only_the_verdict(tmp_path):
