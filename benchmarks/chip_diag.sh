@@ -4,6 +4,7 @@
 # lines and the `open parts:` line), then a cProfile of the service's run. Results under $OUT:
 #   plain.log, service.log, plain_restart.log, service_restart.log, service.prof (pstats), prof.log
 #   bash benchmarks/chip_diag.sh    # on a device machine, with .whl-tpu/ (benchmarks/device_wheels.sh); STEPS, EVERY
+# PROFILE=0 leaves out the profiled run.
 set -euo pipefail
 PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl-tpu/*.whl
@@ -18,12 +19,15 @@ for v in plain service; do
   timeout 200 python3 -m "$(module $v)" --workdir="/tmp/w_$v" --steps="$STEPS" "${S[@]}" "${M[@]}" > "$OUT/$v.log" 2>&1
   echo "$v: $(grep -h "done:" "$OUT/$v.log" | sed 's/.*\] //')"
 done
+echo "service commits (s, save() to commit): $(grep -h -o "committed in [0-9.]*" "$OUT/service.log" | awk '{print $3}' | tr '\n' ' ')"
+echo "service hand-offs: $(grep -h -o "next save waited [0-9.]*" "$OUT/service.log" | awk '{print $4}' | tr '\n' ' ')"
 for v in plain service; do
   timeout 120 python3 -m "$(module $v)" --workdir="/tmp/w_$v" --steps=$((STEPS + 5)) "${S[@]}" "${M[@]}" > "$OUT/${v}_restart.log" 2>&1
   echo "$v restart: $(grep -h -E "phase (open|compile|restore|first_step) " "$OUT/${v}_restart.log" \
     | sed 's/.*phase //' | tr '\n' ' ')"
   grep -h "open parts:" "$OUT/${v}_restart.log" | sed 's/.*\] /  /'
 done
+[[ ${PROFILE:-1} == 1 ]] || exit 0
 rm -rf /tmp/w_prof
 timeout 200 python3 -m cProfile -o "$OUT/service.prof" -m trainer.train --workdir=/tmp/w_prof --steps="$STEPS" "${S[@]}" "${M[@]}" \
   > "$OUT/prof.log" 2>&1
