@@ -88,7 +88,7 @@ class Judgement:
 
     def as_record(self) -> dict:
         """What a verdict keeps of it (checkpointing/_src/verdicts.py `evidence`)."""
-        ratio = self.findings[0].ratio if self.findings else self.largest
+        ratio = max(finding.ratio for finding in self.findings) if self.findings else self.largest
         return {"ratio": ratio if math.isfinite(ratio) else None, "margin": MARGIN, "deciding": self.deciding,
                 "chaotic": self.chaotic, "replays": self.replays, "perturbation": self.perturbation}
 
