@@ -1,6 +1,6 @@
 """The Orbax pieces the service plugs in: a manifest written inside the background save, a
 retention policy that spares protected steps, a durable commit on local disks, a manager that
-asks the caller's preemption decision, and s3:// taught to Orbax as gs:// (`_s3_as_gcs`).
+asks the caller's preemption decision. Importing it teaches Orbax s3:// (orbax_s3.py).
 
 Kept apart from the service because they lean on Orbax's extension points (one of them private:
 tests/test_service_api.py pins it), so an Orbax upgrade is read here first.
@@ -16,11 +16,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 from orbax.checkpoint import checkpoint_managers
 from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
-from orbax.checkpoint._src.path import async_path, atomicity, atomicity_defaults, gcs_utils
-from orbax.checkpoint._src.serialization import tensorstore_utils
+from orbax.checkpoint._src.path import async_path, atomicity
 
 from checkpointing._src import durable
-from checkpointing._src import object_store
+from checkpointing._src import orbax_s3  # noqa: F401  (s3:// as gs://, installed on import)
 from checkpointing._src import marks as marks_lib
 from checkpointing._src import workdir as workdir_lib
 
@@ -178,34 +177,3 @@ class Manager(ocp.CheckpointManager):
                 self.wait_until_finished()
             except Exception:  # noqa: BLE001  the error the caller was given before
                 pass
-
-
-def _s3_as_gcs() -> None:
-    """Orbax 0.12 knows gs:// only (tests/test_s3.py pins what this relies on). An s3:// path would be a
-    relative local path to its TensorStore specs ('s3:/bucket': refused), and its steps would commit by
-    a rename, which on S3 is a copy of every object then a delete: a step killed mid-copy would be listed
-    as committed. So, as on gs://: arrays through TensorStore's own `s3` driver (object_store.s3_spec,
-    no copy through a local disk), and a commit marker written last, which the listings check."""
-    normalize, use_gcs_driver, kvstore_for_gcs = (tensorstore_utils._normalize_path, tensorstore_utils._use_gcs_driver,
-                                                  gcs_utils.get_kvstore_for_gcs)
-    default_class, item_default_class = (atomicity_defaults.get_default_temporary_path_class,
-                                         atomicity_defaults.get_item_default_temporary_path_class)
-    s3 = lambda path: object_store.store_of(path) == object_store.S3
-
-    def commit_file_on_s3(original):
-        def temporary_path_class(path, *, atomicity_options=None):
-            if s3(path) and atomicity_defaults._resolve_temporary_path_class_from_options(atomicity_options) is None:
-                return atomicity.CommitFileTemporaryPath  # no mode asked for: Orbax's default for gs://
-            return original(path, atomicity_options=atomicity_options)
-
-        return temporary_path_class
-
-    tensorstore_utils._normalize_path = lambda path: (
-        "s3://" + normalize(path[len("s3://"):]).lstrip("/") if s3(path) else normalize(path))
-    tensorstore_utils._use_gcs_driver = lambda directory: s3(directory) or use_gcs_driver(directory)  # a bucket's
-    gcs_utils.get_kvstore_for_gcs = lambda path: object_store.s3_spec(path) if s3(path) else kvstore_for_gcs(path)
-    atomicity_defaults.get_default_temporary_path_class = commit_file_on_s3(default_class)
-    atomicity_defaults.get_item_default_temporary_path_class = commit_file_on_s3(item_default_class)
-
-
-_s3_as_gcs()

@@ -175,6 +175,8 @@ def _list_committed(directory: str) -> list[int]:
         return []
     import orbax.checkpoint as ocp  # imports JAX: the paths above must not (trainer.config uses them)
 
+    from checkpointing._src import orbax_s3  # noqa: F401  (an s3:// step is committed by its marker, as on gs://)
+
     if object_store.is_object_store(path):  # Orbax checks each step's marker on a thread pool: the round trips overlap
         return sorted(ocp.path.step.checkpoint_steps(path))
     # On a local disk Orbax's check is a name test and a stat, but each call runs it as a coroutine on an
@@ -192,6 +194,8 @@ def _finalized_check(path):
     which checks what that kind calls finalized itself."""
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.path import atomicity, atomicity_defaults
+
+    from checkpointing._src import orbax_s3  # noqa: F401  (as above)
 
     if issubclass(atomicity_defaults.get_default_temporary_path_class(path), atomicity.AtomicRenameTemporaryPath):
         return lambda entry: atomicity.TMP_DIR_SUFFIX not in entry.name and entry.is_dir()
