@@ -9,8 +9,8 @@ deletes are serialized here. moto accepts any access key; this server refuses (4
 every key but ACCESS_KEY, as S3 refuses a key it does not know. Beyond moto, two endpoints for the tests:
   - GET /_requests[?clear=1]: the S3 requests answered since the log was last cleared (op, key, status,
     bytes), to count a save's and a restore's requests;
-  - POST /_faults?status=503&count=N[&match=TEXT] or ?drop=N: the next N requests whose method and path
-    contain TEXT are answered 503 SlowDown, or their connection is closed without an answer.
+  - POST /_faults?status=503&count=N[&match=REGEX] or ?drop=N: the next N requests whose 'METHOD /path'
+    REGEX finds are answered 503 SlowDown, or their connection is closed without an answer.
 """
 
 import argparse
@@ -132,7 +132,7 @@ def _app(moto_app):
 def _take_fault(request: str) -> dict | None:
     with _LOCK:
         for fault in _FAULTS:
-            if fault["count"] > 0 and fault["match"] in request:
+            if fault["count"] > 0 and re.search(fault["match"], request):
                 fault["count"] -= 1
                 return fault
     return None
@@ -154,7 +154,7 @@ def request_log(url: str, *, clear: bool = False) -> list[dict]:
 
 
 def inject(url: str, *, count: int, status: int | None = 503, match: str = "") -> None:
-    """The next `count` requests containing `match` ('PUT /bucket/key...') get `status` (None: no answer)."""
+    """The next `count` requests 'METHOD /bucket/key' that regex `match` finds get `status` (None: no answer)."""
     query = f"drop={count}" if status is None else f"status={status}&count={count}"
     request = urllib.request.Request(f"{url}/_faults?{query}&match={urllib.parse.quote(match)}", method="POST")
     urllib.request.urlopen(request, timeout=30).close()
