@@ -64,6 +64,9 @@ def test_orbax_writes_s3_arrays_through_tensorstores_s3_driver_and_commits_by_a_
     assert spec["base"] == {"driver": "s3", "bucket": "bucket", "path": "run/checkpoints/10/state",
                             "aws_region": "eu-west-3", "endpoint": "http://127.0.0.1:9",
                             "aws_credentials": {"type": "environment"}}
+    write = tensorstore_utils.OcdbtKvStoreWriteOptions(mode=tensorstore_utils.OcdbtWriteMode.WRITE)
+    written = tensorstore_utils.build_kvstore_tspec("s3://bucket/run", use_ocdbt=True, ocdbt_write_options=write)
+    assert written["target_data_file_size"] == 400 * 2**20, written  # GCS's, not the local disk's 2 GiB
     gcs = tensorstore_utils.build_kvstore_tspec("gs://bucket/run/checkpoints/10/state", use_ocdbt=True)
     assert gcs["base"] == {"driver": "gcs", "bucket": "bucket", "path": "run/checkpoints/10/state"}
     default = atomicity_defaults.get_default_temporary_path_class
@@ -144,6 +147,22 @@ def test_a_pod_on_s3_killed_after_a_commit_resumes_on_four_processes_and_every_s
     rows = table.stdout.strip().splitlines()[2:]
     assert [row.split()[0] for row in rows] == [str(s) for s in found]
     assert all("reproduced pass" in row for row in rows), table.stdout
+
+    # --init_from an s3:// step: its params, read through TensorStore's s3 driver, are the reference's leaf
+    # for leaf (step 10: the same 2 x 4 layout), and a new run records where it started.
+    from checkpointing import restore_subtree
+    from checkpointing._src.workdir import read_manifest
+    from trainer import loop
+    from trainer.program import build_mesh, build_program
+
+    config = helpers.small_config(str(tmp_path / "from-s3"), steps=10, save_every_steps=10,
+                                  init_from=f"{workdir}:10")
+    abstract = build_program(config, build_mesh(config)).abstract_state.params
+    imported, _ = restore_subtree(workdir, 10, "params", abstract)
+    assert helpers.leaves_equal(imported, restore_subtree(local, 10, "params", abstract)[0])
+    loop.train(config)
+    assert read_manifest(config.workdir, 10)["init_from"] == {
+        "workdir": workdir, "step": 10, "digest": read_manifest(workdir, 10)["digest"]}
 
 
 # --- one writer per workdir: the lease on S3's conditional writes -----------------------------------
