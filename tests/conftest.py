@@ -116,6 +116,7 @@ def s3_env():
     try:
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)  # for the in-process reads of the tests (s3fs, epath, the lease store)
+        _forget_s3_clients()
         yield env
         for key, value in saved.items():
             if value is None:
@@ -123,8 +124,19 @@ def s3_env():
             else:
                 os.environ[key] = value
     finally:
+        _forget_s3_clients()
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
+
+
+def _forget_s3_clients() -> None:
+    """s3fs clients read the endpoint when made, and fsspec and etils.epath keep them for the process: a
+    later module's server is on another port. (A trainer's endpoint does not move while it runs.)"""
+    import s3fs
+    from etils.epath import backend
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    type(backend.fsspec_backend)._get_filesystem.cache_clear()
 
 
 @pytest.fixture(scope="session")
