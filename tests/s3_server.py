@@ -10,7 +10,9 @@ every key but ACCESS_KEY, as S3 refuses a key it does not know. Beyond moto, two
   - GET /_requests[?clear=1]: the S3 requests answered since the log was last cleared (op, key, status,
     bytes), to count a save's and a restore's requests;
   - POST /_faults?status=503&count=N[&match=REGEX] or ?drop=N: the next N requests whose 'METHOD /path'
-    REGEX finds are answered 503 SlowDown, or their connection is closed without an answer.
+    REGEX finds are answered 503 SlowDown, or their connection is closed without an answer;
+  - POST /_conditions?honour=0|1: 0 drops If-None-Match and If-Match from writes, as an S3-compatible store
+    without conditional writes would (the lease must then refuse to start).
 """
 
 import argparse
@@ -31,6 +33,7 @@ _LOG: list[dict] = []
 _FAULTS: list[dict] = []  # {"status": 503 | None (drop), "count": n, "match": text}
 _LOCK = threading.Lock()  # the log and the faults
 _CONDITIONAL = threading.Lock()  # one conditional write at a time: check and store together, as S3 does
+_HONOUR_CONDITIONS = [True]
 
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your '
               b'request rate.</Message></Error>')
@@ -99,6 +102,10 @@ def _app(moto_app):
             start_response("403 Forbidden", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
             _record(method, path, query, 403, 0, len(body))
             return [body]
+        if path == "/_conditions":
+            _HONOUR_CONDITIONS[0] = query.get("honour", ["1"])[0] == "1"
+            start_response("200 OK", [("Content-Length", "0")])
+            return [b""]
         fault = _take_fault(f"{method} {path}")
         if fault is not None:
             environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
@@ -111,6 +118,10 @@ def _app(moto_app):
             _record(method, path, query, 503, 0, len(_SLOW_DOWN))
             return [_SLOW_DOWN]
         headers = {k: v for k, v in environ.items() if k.startswith("HTTP_IF_")}
+        if headers and method in ("PUT", "DELETE", "POST") and not _HONOUR_CONDITIONS[0]:
+            for name in headers:
+                del environ[name]
+            headers = {}
         status = {}
 
         def noting_start_response(status_line, response_headers, *args):
@@ -157,6 +168,12 @@ def inject(url: str, *, count: int, status: int | None = 503, match: str = "") -
     """The next `count` requests 'METHOD /bucket/key' that regex `match` finds get `status` (None: no answer)."""
     query = f"drop={count}" if status is None else f"status={status}&count={count}"
     request = urllib.request.Request(f"{url}/_faults?{query}&match={urllib.parse.quote(match)}", method="POST")
+    urllib.request.urlopen(request, timeout=30).close()
+
+
+def honour_conditions(url: str, honour: bool) -> None:
+    """Whether the server at `url` honours conditional writes (see the docstring)."""
+    request = urllib.request.Request(f"{url}/_conditions?honour={int(honour)}", method="POST")
     urllib.request.urlopen(request, timeout=30).close()
 
 

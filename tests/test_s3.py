@@ -197,6 +197,24 @@ def test_the_lease_on_s3_refuses_a_second_holder_and_of_racing_writers_exactly_o
                 lease.release()
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_job_id")
+def test_a_store_that_ignores_conditional_writes_is_refused_before_anything_is_saved(s3_env):
+    """An S3-compatible store without If-None-Match (the S3 server told to drop it) cannot keep two writers
+    apart: the first claim finds out by writing its record twice, and the trainer exits 1 with one line."""
+    workdir = helpers.s3_workdir("unconditional")
+    s3_server.honour_conditions(s3_env["AWS_ENDPOINT_URL"], False)
+    try:
+        result = helpers.run_module("trainer.train", f"--workdir={workdir}", "--mesh=data=2", "--batch_size=32",
+                                    "--steps=10", device_count=2, timeout=120, **s3_env)
+    finally:
+        s3_server.honour_conditions(s3_env["AWS_ENDPOINT_URL"], True)
+    line = helpers.fault_line(result, exit_codes.FAILURE)
+    assert line.startswith(f"error: cannot take the lease in {workdir}/lease: {workdir}/lease: the store accepted "
+                           "a second 'If-None-Match: *' write"), line
+    assert not [key for key in _objects(s3_env, _key(workdir)) if "/lease/" not in key], "nothing but the lease"
+
+
 # --- faults: an unreachable endpoint, refused credentials, throttling and dropped connections -------
 
 @pytest.mark.slow

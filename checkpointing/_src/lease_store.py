@@ -11,7 +11,9 @@ one that matters is `create`, which never replaces an existing record:
   - s3://: the object is put with `If-None-Match: *`, which S3 refuses (412) if it exists; a rewrite
     names the ETag it read (`If-Match`). botocore, configured as boto3 is (object_store.py), retries
     throttling (503 SlowDown) and dropped connections; a retried create refused after its first try
-    succeeded is read back by the caller (lease.claim), as on gs://.
+    succeeded is read back by the caller (lease.claim), as on gs://. An S3-compatible store that ignores
+    the condition would let two writers in: a store's first create is put twice, and a second put that
+    is not refused is ConditionsIgnored, before anything is saved.
 """
 
 import os
@@ -27,6 +29,10 @@ S3_TIMEOUT_SECS = 10.0  # per request (connect and read); botocore's standard re
 
 class Conflict(Exception):
     """A precondition failed: someone else wrote the object since we read it."""
+
+
+class ConditionsIgnored(OSError):
+    """The object store accepted a conditional write it had to refuse: it cannot keep one writer per workdir."""
 
 
 def open_store(where: str):
@@ -193,6 +199,7 @@ class S3Store:
                                         retries={"mode": "standard", "max_attempts": 5})
         self._client = botocore.session.get_session().create_client(
             "s3", region_name=object_store.s3_settings().region, config=config)
+        self._conditions_checked = False
 
     def generations(self) -> list[int]:
         pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=self._prefix)
@@ -208,6 +215,15 @@ class S3Store:
 
     def create(self, generation: int, text: str) -> None:
         self._put(generation, text, IfNoneMatch="*")
+        if not self._conditions_checked:  # once per store: the same bytes again, which S3 must refuse
+            self._conditions_checked = True
+            try:
+                self._put(generation, text, IfNoneMatch="*")
+            except Conflict:
+                return
+            raise ConditionsIgnored(f"{self.where}: the store accepted a second 'If-None-Match: *' write of "
+                                    f"{self._key(generation)}; without conditional writes two writers could "
+                                    "share this workdir (AWS S3 has them; check your S3-compatible store)")
 
     def replace(self, generation: int, text: str, version) -> str:
         return self._put(generation, text, IfMatch=version)
