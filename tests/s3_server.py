@@ -10,7 +10,7 @@ every key but ACCESS_KEY, as S3 refuses a key it does not know. Beyond moto, two
   - GET /_requests[?clear=1]: the S3 requests answered since the log was last cleared (op, key, status,
     bytes), to count a save's and a restore's requests;
   - POST /_faults?status=503&count=N[&match=REGEX] or ?drop=N: the next N requests whose 'METHOD /path'
-    REGEX finds are answered 503 SlowDown, or their connection is closed without an answer;
+    REGEX finds are answered 503 SlowDown (403: AccessDenied), or their connection is closed unanswered;
   - POST /_conditions?honour=0|1: 0 drops If-None-Match and If-Match from writes, as an S3-compatible store
     without conditional writes would (the lease must then refuse to start).
 """
@@ -39,6 +39,9 @@ _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</C
               b'request rate.</Message></Error>')
 
 
+_ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code><Message>Access Denied'
+                  b'</Message></Error>')
+_ERRORS = {503: ("503 Slow Down", _SLOW_DOWN), 403: ("403 Forbidden", _ACCESS_DENIED)}  # what /_faults answers
 _INVALID_KEY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code><Message>The AWS '
                 b'Access Key Id you provided does not exist in our records.</Message></Error>')
 
@@ -113,10 +116,10 @@ def _app(moto_app):
                 _record(method, path, query, 0, 0, 0)
                 environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
                 raise _Dropped()
-            start_response("503 Slow Down", [("Content-Type", "application/xml"),
-                                             ("Content-Length", str(len(_SLOW_DOWN)))])
-            _record(method, path, query, 503, 0, len(_SLOW_DOWN))
-            return [_SLOW_DOWN]
+            line, body = _ERRORS[fault["status"]]
+            start_response(line, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            _record(method, path, query, fault["status"], 0, len(body))
+            return [body]
         headers = {k: v for k, v in environ.items() if k.startswith("HTTP_IF_")}
         if headers and method in ("PUT", "DELETE", "POST") and not _HONOUR_CONDITIONS[0]:
             for name in headers:

@@ -40,6 +40,13 @@ def _objects(env: dict, prefix: str) -> dict[str, bytes]:
             for page in pages for item in page.get("Contents", ())}
 
 
+def _remove(env: dict, key: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"]).delete_object(
+        Bucket=helpers.BUCKET, Key=key)
+
+
 def _key(workdir: str) -> str:
     return object_store.split(workdir)[1]
 
@@ -147,6 +154,9 @@ def test_a_pod_on_s3_killed_after_a_commit_resumes_on_four_processes_and_every_s
     rows = table.stdout.strip().splitlines()[2:]
     assert [row.split()[0] for row in rows] == [str(s) for s in found]
     assert all("reproduced pass" in row for row in rows), table.stdout
+    plot = helpers.run_module("trainer.inspect", f"--workdir={workdir}", f"--plot={workdir}/run.png", **s3_env)
+    assert plot.returncode == 0, plot.stderr[-2000:]
+    assert _objects(s3_env, _key(workdir))[f"{_key(workdir)}/run.png"].startswith(b"\x89PNG"), "a PNG, on S3"
 
     # --init_from an s3:// step: its params, read through TensorStore's s3 driver, are the reference's leaf
     # for leaf (step 10: the same 2 x 4 layout), and a new run records where it started.
@@ -292,13 +302,42 @@ def test_throttling_and_dropped_connections_are_retried_never_a_corrupt_step_or_
     assert verify.returncode == 0, verify.stderr[-3000:]
     assert [(s, v["status"]) for s, v in verdicts.read_all(workdir).items()] == [(10, "pass"), (20, "pass"),
                                                                                   (30, "pass")]
+    # The verifier's reads meet them too: retried, never a verdict's evidence.
+    for verdict in verdicts.read_all(workdir):
+        _remove(s3_env, f"{_key(workdir)}/verdicts/{verdict}.json")
+    s3_server.request_log(url, clear=True)
+    s3_server.inject(url, count=2, status=503, match=f"^GET {under}.*/state/")
+    s3_server.inject(url, count=1, status=None, match=f"^GET {under}.*/state/")
+    again = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
+                               device_count=2, **s3_env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    met = [r["status"] for r in s3_server.request_log(url) if r["method"] == "GET" and "/state/" in r["name"]]
+    assert (met.count(503), met.count(0)) == (2, 1), met
+    assert [(s, v["status"]) for s, v in verdicts.read_all(workdir).items()] == [(10, "pass"), (20, "pass"),
+                                                                                  (30, "pass")]
     # A step whose commit marker is missing (its save killed before the marker) is never listed, by a fresh
     # process that has loaded nothing but the listing, nor by inspect.
-    import boto3
-
-    boto3.client("s3").delete_object(Bucket=helpers.BUCKET, Key=f"{_key(workdir)}/checkpoints/30/commit_success.txt")
+    _remove(s3_env, f"{_key(workdir)}/checkpoints/30/commit_success.txt")
     listing = helpers.run_python("from checkpointing._src.workdir import committed_steps\n"
                                  f"print(committed_steps({workdir!r}))", **s3_env)
     assert listing.returncode == 0 and listing.stdout.strip() == "[10, 20]", listing.stdout + listing.stderr[-2000:]
     table = helpers.run_module("trainer.inspect", f"--workdir={workdir}", **s3_env)
     assert [row.split()[0] for row in table.stdout.strip().splitlines()[2:]] == ["10", "20"], table.stdout
+
+
+@pytest.mark.slow
+def test_a_write_s3_refuses_mid_run_is_one_line_naming_step_path_and_cause_and_the_last_commit_stays(s3_env):
+    """AccessDenied (403, not retried) on every write of step 20: the trainer exits 1 with one line naming
+    the step, its path and the cause; step 10 stays the latest committed step and restores as saved."""
+    url = s3_env["AWS_ENDPOINT_URL"]
+    workdir = helpers.s3_workdir("denied")
+    step_20 = re.escape(f"/{helpers.BUCKET}/{_key(workdir)}/checkpoints/20")
+    s3_server.inject(url, count=1000, status=403, match=f"^PUT {step_20}/")  # this run's step 20 only
+    result = helpers.run_module("trainer.train", f"--workdir={workdir}", *helpers.SMALL_FLAGS, "--max_to_keep=100",
+                                "--steps=30", **s3_env)
+    line = helpers.fault_line(result, exit_codes.FAILURE)
+    assert "step 20" in line and f"{workdir}/checkpoints/20" in line and "permission denied" in line, line
+    assert committed_steps(workdir) == [10]
+    verify = helpers.run_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--once",
+                                device_count=2, **s3_env)
+    assert verify.returncode == 0, verify.stderr[-3000:]
