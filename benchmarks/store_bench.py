@@ -1,7 +1,8 @@
 """Object stores against a local disk: one save and one restore of the same state through the service, on a
 local disk, on the GCS-protocol server (tests/gcs_emulator.py) and on the S3 server (tests/s3_server.py, moto),
 both on 127.0.0.1 and in memory; the seconds as ratios to the local disk's, measured in the same run, and the
-requests each server answered for one save and for one restore.
+requests each server answered for one save and for one restore. Then, on s3://, the directory client measured:
+a reader's pass over checkpoints/ through s3fs (etils.epath, as Orbax and the service use it) and through boto3.
 
 The state is benchmarks.checkpoint_state's (--state_gib of float32 arrays fully sharded over data=4,model=2 of 8
 fake CPU devices). Each sample saves a fresh step (save + wait until committed) and restores it onto the same
@@ -98,6 +99,57 @@ def one_sample(store: Store, sample: int, state, target) -> dict:
             "restore_requests": restore_requests}
 
 
+def directory_clients(store: Store, steps: int = 3, passes: int = 20) -> dict[str, dict]:
+    """A reader's pass over an s3:// checkpoints/ (list the steps, check each one's commit marker, read the
+    newest manifest) through s3fs (etils.epath, which Orbax uses) and through boto3, taking turns: the
+    choice of the directory client, measured. {client: {"ms": median, "requests": per pass}}."""
+    import boto3
+
+    from checkpointing._src import object_store
+    from checkpointing._src.workdir import fresh_path
+
+    root = f"{store.root}/clients/checkpoints"
+    bucket, prefix = object_store.split(root)
+    client = boto3.client("s3")
+    for step in range(1, steps + 1):
+        for name in ("commit_success.txt", "manifest/metadata", "state/_METADATA"):
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{step}/{name}", Body=b"{}" * 512)
+
+    def with_s3fs() -> None:
+        found = sorted(fresh_path(root).iterdir(), key=lambda path: int(path.name))
+        committed = [path for path in found if (path / "commit_success.txt").exists()]
+        (committed[-1] / "manifest" / "metadata").read_text()
+
+    def with_boto3() -> None:
+        listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/", Delimiter="/")
+        found = sorted(int(entry["Prefix"].rstrip("/").rsplit("/", 1)[1]) for entry in listed["CommonPrefixes"])
+        committed = [step for step in found
+                     if client.head_object(Bucket=bucket, Key=f"{prefix}/{step}/commit_success.txt")]
+        client.get_object(Bucket=bucket, Key=f"{prefix}/{committed[-1]}/manifest/metadata")["Body"].read()
+
+    seconds: dict[str, list[float]] = {"s3fs": [], "boto3": []}
+    requests: dict[str, dict] = {}
+    for index in range(passes + 1):
+        for name, one_pass in sorted({"s3fs": with_s3fs, "boto3": with_boto3}.items(), reverse=index % 2 == 1):
+            store.requests()
+            started = time.perf_counter()
+            one_pass()
+            if index:  # the first pass of each makes its client: not kept
+                seconds[name].append(time.perf_counter() - started)
+                requests[name] = store.requests()
+    return {name: {"ms": statistics.median(values) * 1e3, "requests": requests[name]}
+            for name, values in seconds.items()}
+
+
+def report_directory_clients(measured: dict[str, dict]) -> None:
+    print("| directory client (s3://) | a reader's pass, ms | requests per pass |")
+    print("|---|---|---|")
+    for name, seen in measured.items():
+        counts = ", ".join(f"{op} {n}" for op, n in seen["requests"].items())
+        print(f"| {name} | {seen['ms']:.1f} | {counts} |")
+    sys.stdout.flush()
+
+
 def main(argv) -> None:
     del argv
     from checkpointing._src import marks as marks_lib
@@ -118,6 +170,9 @@ def main(argv) -> None:
                 if sample:
                     results[store.name].append(measured)
         report(results, checkpoint_state.state_bytes(checkpoint_state.STATE_GIB.value))
+        for store in stores:
+            if store.name == "s3":
+                report_directory_clients(directory_clients(store))
     finally:
         for store in stores:
             store.stop()
