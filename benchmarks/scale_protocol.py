@@ -1,7 +1,7 @@
 """The service's multi-host storage protocol run by many simulated processes (threads), counted.
 
-Each simulated process is a long-lived thread with its own storage clients (gcsfs and fsspec keep
-one instance, and one listing cache, per thread; the lease store makes its own GCS client), so it
+Each simulated process is a long-lived thread with its own storage clients (gcsfs, s3fs and fsspec
+keep one instance, and one listing cache, per thread; the lease store makes its own client), so it
 makes the requests a host of a pod would. The pieces, and the code path each one follows:
 
   lease_acquire     process 0 opens the run: lease.acquire        (Checkpointer._acquire_pod_lease)
@@ -18,9 +18,10 @@ The other processes read nothing of the lease: process 0's answer reaches them b
 collective at open, one per save). Orbax's own writes and reads of the arrays need a real JAX pod
 and are measured by benchmarks/scale_pod_child.py.
 
-Requests are counted by the GCS-protocol server (tests/gcs_emulator.py's request log) on gs://,
-and by a Python audit hook on a local disk (file-system calls Python audits: open, listdir,
-scandir, rename/replace, link, remove, mkdir; stat is not audited, so exists() checks are missing).
+Requests are counted by the GCS-protocol server (tests/gcs_emulator.py's request log) on gs://, the
+S3 server (tests/s3_server.py's) on s3://, and by a Python audit hook on a local disk (file-system
+calls Python audits: open, listdir, scandir, rename/replace, link, remove, mkdir; stat is not
+audited, so exists() checks are missing).
 """
 
 import collections
@@ -47,7 +48,7 @@ class Measured:
     runs_on: str  # primary / every / reader
     callers: int  # simulated processes that ran it at once
     requests: int  # all callers together
-    bytes: int  # request and response bodies (gs:// only; 0 on a local disk)
+    bytes: int  # request and response bodies (object stores only; 0 on a local disk)
     secs: float  # wall time of all callers together
     by_op: dict
 
@@ -71,6 +72,15 @@ class GcsRequests:
         log = self._log(True)
         moved = sum(r["bytes_in"] + r["bytes_out"] for r in log)
         return len(log), moved, dict(collections.Counter(r["op"] for r in log))
+
+
+class S3Requests(GcsRequests):
+    """Counts from the S3 server's request log (tests/s3_server.py: the same fields)."""
+
+    def __init__(self, url: str):
+        from tests import s3_server  # benchmarks may use the tests' server
+
+        self._log = lambda clear: s3_server.request_log(url, clear=clear)
 
 
 class AuditedCalls:

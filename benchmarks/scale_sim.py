@@ -1,12 +1,13 @@
 """The protocol at scale: which storage requests and agreements grow with the host count.
 
-Two parts, both against the GCS-protocol server on 127.0.0.1 (tests/gcs_emulator.py, whose
-request log counts every request, its kind and its bytes):
+Two parts, against the GCS-protocol server on 127.0.0.1 (tests/gcs_emulator.py, whose request log
+counts every request, its kind and its bytes) and, for the first, the S3 server (tests/s3_server.py, the
+same log):
 
   simulated   the service's own multi-host pieces (the lease, the listing of committed steps, the
               verdict listing, the save's and restore's per-process reads: benchmarks/scale_protocol.py)
-              run by --hosts simulated processes (threads with their own storage clients), on gs://
-              and on a local disk
+              run by --hosts simulated processes (threads with their own storage clients), on gs://,
+              s3:// and a local disk
   real pods   --pod_processes real JAX processes (launch/local.py, gloo) each running the public
               Checkpointer: open, four steps saving two, close, then open + restore (benchmarks/scale_pod_child.py);
               requests split by whose objects they touch (Orbax's `process_<i>` files) and the
@@ -47,15 +48,20 @@ OWNER = re.compile(r"process_(\d+)")  # Orbax's per-process objects: ocdbt.proce
 
 
 class Emulator:
-    """The GCS-protocol server, its environment set in os.environ for the in-process clients."""
+    """The GCS-protocol server (or, `s3=True`, the S3 server), its environment set in os.environ for the
+    in-process clients."""
+
+    def __init__(self, s3: bool = False):
+        self._s3 = s3
 
     def __enter__(self):
-        from tests import gcs_emulator
+        from tests import gcs_emulator, s3_server
 
-        self.process, self.env = gcs_emulator.start(BUCKET, cwd=common.ROOT, env=common.child_env(1))
+        server = s3_server if self._s3 else gcs_emulator
+        self.process, self.env = server.start(BUCKET, cwd=common.ROOT, env=common.child_env(1))
         self._saved = {key: os.environ.get(key) for key in self.env}
         os.environ.update(self.env)
-        self.url = self.env["STORAGE_EMULATOR_HOST"]
+        self.url = self.env["AWS_ENDPOINT_URL" if self._s3 else "STORAGE_EMULATOR_HOST"]
         return self
 
     def __exit__(self, *exc):
@@ -68,12 +74,13 @@ class Emulator:
         self.process.wait(timeout=30)
 
 
-def simulate_all(url: str, hosts: list[int], steps_retained: int, local_root: str) -> dict:
-    """{storage: {hosts: [Measured as dict]}} for gs:// and a local disk."""
+def simulate_all(url: str, s3_url: str, hosts: list[int], steps_retained: int, local_root: str) -> dict:
+    """{storage: {hosts: [Measured as dict]}} for gs://, s3:// and a local disk."""
     from benchmarks import scale_protocol
 
-    workdirs = {"gs": f"gs://{BUCKET}/sim", "local": os.path.join(local_root, "sim")}
-    counters = {"gs": lambda threads: scale_protocol.GcsRequests(url), "local": scale_protocol.AuditedCalls}
+    workdirs = {"gs": f"gs://{BUCKET}/sim", "s3": f"s3://{BUCKET}/sim", "local": os.path.join(local_root, "sim")}
+    counters = {"gs": lambda threads: scale_protocol.GcsRequests(url),
+                "s3": lambda threads: scale_protocol.S3Requests(s3_url), "local": scale_protocol.AuditedCalls}
     results = {}
     for storage, workdir in workdirs.items():
         scale_protocol.make_workdir(workdir, steps_retained, verified=max(steps_retained - 1, 1))
@@ -132,7 +139,7 @@ def growth(small: float, large: float, hosts_small: int, hosts_large: int) -> st
 
 def report(simulated: dict, pods: list[dict], steps_retained: int) -> str:
     lines = [f"Simulated processes (threads), {steps_retained} committed steps in the workdir: requests per caller "
-             "(gs://: GCS requests; local: audited file-system calls).", ""]
+             "(gs://: GCS requests; s3://: S3 requests; local: audited file-system calls).", ""]
     for storage, by_hosts in simulated.items():
         counts = sorted(by_hosts)
         lines += [f"| {storage} piece | runs on | " + " | ".join(f"{n} hosts" for n in counts) + " | growth |",
@@ -169,8 +176,8 @@ def main(argv):
         raise ValueError(f"--hosts={','.join(_HOSTS.value)} (each >= 2), --pod_processes=... (each >= 1)")
     root = tempfile.mkdtemp(prefix="scale_sim_")
     try:
-        with Emulator() as emulator:
-            simulated = simulate_all(emulator.url, hosts, _STEPS_RETAINED.value, root)
+        with Emulator() as emulator, Emulator(s3=True) as s3:
+            simulated = simulate_all(emulator.url, s3.url, hosts, _STEPS_RETAINED.value, root)
             pods = [summarize_pod(run_pod(emulator.url, emulator.env, n, _STATE_MB.value,
                                           os.path.join(root, f"pod{n}"))) for n in pod_sizes]
     finally:

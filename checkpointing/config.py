@@ -10,6 +10,8 @@ import math
 import os
 from collections.abc import Mapping
 
+from checkpointing._src import object_store
+from checkpointing._src.object_store import is_object_store  # noqa: F401  (re-exported: the trainer's checks)
 from runtime import mesh as mesh_lib
 from runtime.mesh import format_mesh  # noqa: F401  (re-exported: checkpointing.format_mesh)
 
@@ -57,13 +59,18 @@ _UNSAFE_IN_PATHS = {"*": "a glob wildcard", "?": "a glob wildcard", "[": "a glob
 def resolve_path(value: str, flag: str) -> str:
     """A path flag as every process and library must see it: a local path made absolute once, here
     (Orbax refuses relative ones, and a process's working directory is not its peers'), '~' expanded;
-    gs:// as given. A ConfigError names the flag and the character that cannot round-trip."""
+    a gs:// or s3:// URL as given. A ConfigError names the flag and the character that cannot round-trip,
+    or the URL scheme no workdir can be on."""
     for char in value:
         why = _UNSAFE_IN_PATHS.get(char) or ("a control character" if ord(char) < 32 or ord(char) == 127 else None)
         if why:
             raise ConfigError(f"{flag}={value!r}: {why} ({char!r}) cannot be saved and restored by Orbax; "
                               "choose a path without * ? [ \\ or control characters")
-    if not value or "://" in value:
+    if "://" in value:
+        if not object_store.is_object_store(value) or not object_store.split(value)[0]:
+            raise ConfigError(f"{flag}={value!r}: not a local path, gs://BUCKET/PATH or s3://BUCKET/PATH")
+        return value
+    if not value:
         return value
     return os.path.abspath(os.path.expanduser(value))
 

@@ -1,6 +1,6 @@
 """One short line naming a fault's root cause, whatever library raised it.
 
-Orbax, TensorStore, gcsfs and asyncio wrap one root cause in several layers; TensorStore appends
+Orbax, TensorStore, gcsfs, s3fs and asyncio wrap one root cause in several layers; TensorStore appends
 a 60-line JSON spec. A fault must read as one line, so these name the cause a person acts on.
 Below every other package of ours: the entry points' one line and the checkpoint errors use it.
 """
@@ -13,11 +13,15 @@ _CAUSES = (
     ("no space left on device", ("no space left on device", "os_error_code='28'", "enospc")),
     ("unreachable", ("cannot connect to host", "connection refused", "connect call failed",
                      "couldn't connect to server", "failed to connect", "network is unreachable",
-                     "could not resolve host", "name or service not known", "connection reset")),
+                     "could not resolve host", "name or service not known", "connection reset",
+                     "could not connect to the endpoint url")),
+    # S3's refusals of the key itself (a wrong or expired key, a wrong secret): the credentials, not a file.
+    ("credentials refused", ("invalidaccesskeyid", "signaturedoesnotmatch", "expiredtoken", "invalidtoken",
+                             "access key id you provided does not exist", "signature we calculated does not match")),
     ("file truncated", ("truncated", "unexpected end of", "end of file", "data_loss", "out_of_range")),
     ("file missing", ("not_found", "no such file or directory")),
     ("read-only file system", ("read-only file system", "os_error_code='30'", "erofs")),
-    ("permission denied", ("permission denied", "permission_denied")),
+    ("permission denied", ("permission denied", "permission_denied", "accessdenied", "access denied")),
     ("input/output error", ("input/output error", "os_error_code='5'")),
 )
 # Causes that are the data itself, not the medium that failed to deliver it: a read cannot cure them.
@@ -43,7 +47,7 @@ def _endpoint(text: str) -> str:
     """The host:port a connection error names, as the URL the environment gives it if any."""
     match = re.search(r"(?:host|connect to|server at)\s+'?([\w.\-\[\]:]+:\d+)", text, re.IGNORECASE)
     host = match.group(1) if match else ""
-    for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+    for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         url = os.environ.get(name, "")
         if url and (not host or host in url):
             return url.rstrip("/")
@@ -84,5 +88,5 @@ def names_damage(error: BaseException) -> bool:
 
 def _quoted_path(text: str) -> str:
     """The first quoted file path in a TensorStore/OS message, if any."""
-    match = re.search(r"['\"](/[^'\"]+|gs://[^'\"]+)['\"]", text)
+    match = re.search(r"['\"](/[^'\"]+|gs://[^'\"]+|s3://[^'\"]+)['\"]", text)
     return match.group(1) if match else ""

@@ -25,7 +25,7 @@ from runtime import exit_codes
 from runtime.causes import one_line_cause
 
 _CHATTY_LIBRARIES = ("/orbax/", "/jax/_src/", "/etils/", "/tensorstore/", "/gcsfs/", "/fsspec/", "/aiohttp/",
-                     "/asyncio/", "/concurrent/futures/")
+                     "/asyncio/", "/concurrent/futures/", "/s3fs/", "/botocore/", "/aiobotocore/")
 # Echoes of a failure already reported (by Orbax's own record, then by our one line).
 _ECHOES = ("exception was never retrieved", "event loop is closed", "cannot schedule new futures after")
 _MAX_LINE = 300

@@ -105,6 +105,40 @@ def gcs_env():
         server.wait(timeout=30)
 
 
+@pytest.fixture(scope="module")
+def s3_env():
+    """An S3 server on 127.0.0.1 (moto's, tests/s3_server.py), stopped by PID: the standard AWS variables
+    that point boto3, s3fs and TensorStore at it, also set in os.environ while the module runs. moto comes
+    with the dev extra, so CI runs these tests; a missing one fails here instead of skipping."""
+    from tests import s3_server
+
+    server, env = s3_server.start(helpers.BUCKET, cwd=helpers.REPO_ROOT, env=helpers.subprocess_env())
+    try:
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)  # for the in-process reads of the tests (s3fs, epath, the lease store)
+        _forget_s3_clients()
+        yield env
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    finally:
+        _forget_s3_clients()
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _forget_s3_clients() -> None:
+    """s3fs clients read the endpoint when made, and fsspec and etils.epath keep them for the process: a
+    later module's server is on another port. (A trainer's endpoint does not move while it runs.)"""
+    import s3fs
+    from etils.epath import backend
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    type(backend.fsspec_backend)._get_filesystem.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory):
     """A small real corpus (tests/test_records_train*.py): trainer.prepare over the first 6 stdlib files,

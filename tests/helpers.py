@@ -21,7 +21,7 @@ from trainer.program import validate
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-BUCKET = "ckpt-tests"  # the GCS emulator's bucket (conftest.gcs_env)
+BUCKET = "ckpt-tests"  # the GCS emulator's and the S3 server's bucket (conftest.gcs_env, conftest.s3_env)
 # helpers.small_config's run from the command line (saving every 10 steps).
 SMALL_FLAGS = ["--mesh=data=4,model=2", "--batch_size=32", "--log_every_steps=5", "--save_every_steps=10"]
 
@@ -192,6 +192,11 @@ def strace() -> str:
 def gs_workdir(name: str) -> str:
     """A fresh workdir in the emulator's bucket."""
     return f"gs://{BUCKET}/{name}-{time.monotonic_ns()}"
+
+
+def s3_workdir(name: str) -> str:
+    """A fresh workdir in the S3 server's bucket (conftest.s3_env)."""
+    return f"s3://{BUCKET}/{name}-{time.monotonic_ns()}"
 
 
 # --- bad input: exit 2, one line, nothing changed ---------------------------------------------------

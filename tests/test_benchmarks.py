@@ -83,6 +83,8 @@ BENCHMARKS = {
         rows=("lease_acquire", "lease_renewal", "lease_check", "lease_holder", "save_check", "listing",
               "manifest_read", "verdict_listing", "2"),  # "2": the 2-process pod's rows (requests in column 2)
         columns=(2,)),
+    "store_bench": Smallest(("--state_gib=0.004", "--array_mib=1", "--samples=1"), rows=("local", "gs", "s3"),
+                            columns=(1, 2, 3, 4)),
     "verdict_matrix": Smallest(
         ("--groups=genuine,broken,silent", "--design=families", "--families=mlp", "--seeds=1",
          "--cases=zeroed_moments_saved",
@@ -97,9 +99,10 @@ BENCHMARKS = {
 
 # Modules of benchmarks/ that are not benchmarks -> the benchmarks that run or import them.
 HELPERS = {
-    "common": ("checkpoint_bench", "compile_bench", "data_identity_bench", "goodput_bench", "input_bench", "scale_sim"),
+    "common": ("checkpoint_bench", "compile_bench", "data_identity_bench", "goodput_bench", "input_bench", "scale_sim",
+               "store_bench"),
     "checkpoint_child": ("checkpoint_bench",),
-    "checkpoint_state": ("checkpoint_bench",),
+    "checkpoint_state": ("checkpoint_bench", "store_bench"),
     "device_child": ("device_bench",),
     "device_report": ("device_bench",),
     "goodput_events": ("goodput_bench",),

@@ -3,8 +3,9 @@
 The service's own pieces (benchmarks/scale_protocol.py: the lease, the listing of committed steps,
 the verdict listing, the save's and restore's per-process reads) run with 4 and then 32 simulated
 processes (threads with their own storage clients) against the GCS-protocol server
-(tests/gcs_emulator.py counts every request) and a local disk. A piece that becomes O(hosts) per
-host grows 8x between the two and fails here; times are not compared.
+(tests/gcs_emulator.py counts every request), the S3 server (tests/s3_server.py, the same) and a
+local disk. A piece that becomes O(hosts) per host grows 8x between the two and fails here; times
+are not compared.
 """
 
 import pytest
@@ -60,6 +61,20 @@ def test_on_gcs_no_piece_grows_per_host_and_the_primary_pieces_are_constant(gcs_
         listing = rows["listing"]
         assert not (listing.per_caller > 4 + 3 * STEPS), f"{hosts} hosts: {listing.per_caller:g} requests per listing"
         assert listing.by_op["list"] >= hosts, "every process lists the checkpoints once"
+
+
+def test_on_s3_no_piece_grows_per_host_and_the_lease_takes_the_same_requests_as_on_gcs(s3_env):
+    from benchmarks import scale_protocol
+    from tests import helpers
+
+    url = s3_env["AWS_ENDPOINT_URL"]
+    measured = _simulate(helpers.s3_workdir("scale"), lambda threads: scale_protocol.S3Requests(url))
+    _assert_scaling(measured)
+    for hosts, rows in measured.items():
+        assert rows["lease_renewal"].by_op == {"list": 1, "read": 1, "write": 1}, "a renewal: list, read, rewrite"
+        assert rows["lease_check"].by_op == {"list": 1, "read": 1}, "the check before a save: list, read"
+        listing = rows["listing"]
+        assert not (listing.per_caller > 4 + 3 * STEPS), f"{hosts} hosts: {listing.per_caller:g} requests per listing"
 
 
 def test_on_a_local_disk_each_process_lists_once_and_reads_one_manifest(tmp_path):

@@ -18,7 +18,7 @@ import os
 import tempfile
 
 from checkpointing import CheckpointConfig, ConfigError
-from checkpointing.config import option
+from checkpointing.config import is_object_store, option
 from runtime import mesh as mesh_lib
 
 MESH_AXES = mesh_lib.AXES
@@ -26,7 +26,7 @@ MESH_AXES = mesh_lib.AXES
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    workdir: str = option("", "Checkpoints, verdicts and metrics live here (local path or gs://).")
+    workdir: str = option("", "Checkpoints, verdicts and metrics live here (local path, gs:// or s3://).")
     model: str = option("mlp", "mlp, transformer, or your own: package.module:name naming a "
                                "trainer.models.ModelSpec (docs/training.md).")
     steps: int = option(100, "Total optimizer steps of the run; a resume continues up to this step.", minimum=1)
@@ -178,12 +178,12 @@ def resolve_data_flag(value: str, flag: str) -> str:
 
 def validate_workdir(workdir: str) -> None:
     """A local workdir must be a writable directory, or missing with a writable directory as its
-    nearest existing parent; gs:// is checked on use. Nothing is created: the trainer makes the
+    nearest existing parent; gs:// and s3:// are checked on use. Nothing is created: the trainer makes the
     directory only once it holds the workdir (a refused run leaves nothing behind).
     """
     if not workdir:
         raise ConfigError("--workdir is required")
-    if workdir.startswith("gs://"):
+    if is_object_store(workdir):
         return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise ConfigError(f"--workdir={workdir} exists and is not a directory")

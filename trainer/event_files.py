@@ -35,6 +35,7 @@ import time
 from absl import logging
 from etils import epath
 
+from checkpointing.config import is_object_store
 from checkpointing.errors import one_line_cause
 from checkpointing.inspection import tensorboard_dir
 
@@ -149,8 +150,8 @@ def prune_resumed(directory: str, resumed_from: int) -> list[str]:
 def _replace(path: epath.Path, data: bytes) -> None:
     """Replaces the file whole: on a local disk through a temporary file (no "tfevents" in its name, so
     TensorBoard never reads it; one writer per workdir, so one name, which the next prune overwrites if
-    a kill left it) and a rename; a gs:// object is replaced whole by its upload."""
-    if str(path).startswith("gs://"):
+    a kill left it) and a rename; an object (gs://, s3://) is replaced whole by its upload."""
+    if is_object_store(path):
         path.write_bytes(data)
         return
     tmp = path.parent / "pruning.tmp"
@@ -170,9 +171,9 @@ class EventWriter:
     def __init__(self, workdir: str, resumed_from: int | None = None):
         preload()
         self._target = tensorboard_dir(workdir)
-        self._remote = workdir.startswith("gs://")
+        self._remote = is_object_store(workdir)
         self._resumed_from = resumed_from
-        self._path: str | None = None  # this attempt's event file (on gs://, its local staging copy)
+        self._path: str | None = None  # this attempt's event file (on an object store, its local staging copy)
         self._file = None  # that file, unbuffered: flush writes what is pending
         self._pending: list[bytes] = []
         self._broken = False
@@ -210,7 +211,7 @@ class EventWriter:
             self._fail("flush", err)
 
     def close(self) -> None:
-        """Writes out what is pending and, on gs://, uploads the file whole."""
+        """Writes out what is pending and, on an object store, uploads the file whole."""
         self.flush(force=True)
         if self._file is not None:
             self._file.close()

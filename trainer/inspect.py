@@ -22,14 +22,14 @@ from absl import flags
 from checkpointing.inspection import (PLOT_FORMATS, check_workdir, committed_steps, draw_plot, format_table,
                                       plot_series, plot_title, proof_series, read_history, read_manifest,
                                       reference_loss, table_rows)
-from checkpointing.config import resolve_path
+from checkpointing.config import is_object_store, resolve_path
 from runtime import entry
 from trainer import models
 
-WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (local path or gs://).")
+WORKDIR = flags.DEFINE_string("workdir", None, "The run's workdir (local path, gs:// or s3://).")
 LOSSES = flags.DEFINE_boolean("losses", False, "Print the run's per-step loss history as JSON instead of the table.")
 EVALS = flags.DEFINE_boolean("evals", False, "Print the run's eval numbers per step as JSON instead of the table.")
-PLOT = flags.DEFINE_string("plot", None, "Draw the loss against the step into this .png or .svg file (local or gs://).")
+PLOT = flags.DEFINE_string("plot", None, "Draw the loss against the step into this .png or .svg file (local, gs:// or s3://).")
 REFERENCE = flags.DEFINE_string("reference", None, "With --plot: also draw this workdir's loss (a reference run).")
 
 
@@ -45,7 +45,7 @@ def _check_plot_flags() -> None:
         raise ValueError(f"--plot={PLOT.value}: the file must end in {' or '.join(PLOT_FORMATS)}")
     if LOSSES.value or EVALS.value:
         raise ValueError(f"--plot and --{'losses' if LOSSES.value else 'evals'} are exclusive")
-    if not PLOT.value.startswith("gs://"):
+    if not is_object_store(PLOT.value):
         parent = os.path.dirname(os.path.abspath(PLOT.value))
         if not os.path.isdir(parent):
             raise ValueError(f"--plot={PLOT.value}: directory {parent} does not exist")

@@ -9,7 +9,7 @@ import jax
 from absl import logging
 
 from checkpointing import Checkpointer, Preempted, Workdir
-from checkpointing.config import format_mesh
+from checkpointing.config import format_mesh, is_object_store
 from checkpointing.inspection import layout_of
 from runtime.dispatch import blocks_each_step
 from runtime.watchdog import Watchdog
@@ -235,7 +235,7 @@ def _open_and_train(config: TrainConfig, startup_phases: dict[str, float] | None
     watchdog = None
     try:
         workdir = Workdir(config.workdir)  # one open for the whole start-up: each manifest read once
-        if os.path.isdir(workdir) or workdir.startswith("gs://"):
+        if os.path.isdir(workdir) or is_object_store(workdir):
             check_resumed_data(config, inputs, workdir)
         open_parts.mark("resume_check")
         # What computes the numbers, traced abstractly from the functions build_program compiles next (its cost

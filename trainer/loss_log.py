@@ -12,6 +12,7 @@ import os
 import jax
 from absl import logging
 
+from checkpointing.config import is_object_store
 from checkpointing.inspection import attempt_record, last_attempt_id, metrics_file
 from checkpointing.errors import one_line_cause
 from trainer.metrics import RunMetrics
@@ -28,7 +29,7 @@ class LossLog:
         self.losses: dict[int, float] = {}
         self.scalars: dict[int, dict[str, float]] = {}  # the step's grad_norm, param_norm, learning_rate
         primary = jax.process_index() == 0
-        self._metrics_path = metrics_file(workdir) if primary and not workdir.startswith("gs://") else None
+        self._metrics_path = metrics_file(workdir) if primary and not is_object_store(workdir) else None
         resumed_from = attempt["resumed_from"] if attempt is not None else None
         self.metrics = RunMetrics(workdir, resumed_from) if primary else None  # TensorBoard + progress
         self.attempt: int | None = None

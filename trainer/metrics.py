@@ -12,13 +12,14 @@ import psutil
 from absl import logging
 
 from checkpointing.inspection import committed_steps, newest_proved_step, read_manifest
+from checkpointing.config import is_object_store
 from checkpointing.errors import one_line_cause
 from trainer.event_files import EVAL_PREFIX, EventWriter
 
 PHASES = ("process_start", "distributed_start", "open", "compile", "restore", "first_step")
 PHASE_LINE = re.compile(r"\bphase (\w+) ([0-9.]+)s\b")
-# The committed/verified steps are re-read at most this often (on gs:// each read is a request).
-STATUS_EVERY_SECS = {"local": 10.0, "gs": 60.0}
+# The committed/verified steps are re-read at most this often (on an object store each read is a request).
+STATUS_EVERY_SECS = {"local": 10.0, "object store": 60.0}
 
 
 _PHASES_SEEN: dict[str, float] = {}  # this process's start-up phases, written with the first scalars
@@ -53,7 +54,7 @@ class RunStatus:
         self.preemptions = 0
 
     def refresh(self, force: bool = False) -> None:
-        every = STATUS_EVERY_SECS["gs" if self._workdir.startswith("gs://") else "local"]
+        every = STATUS_EVERY_SECS["object store" if is_object_store(self._workdir) else "local"]
         if not force and time.monotonic() - self._read_at < every:
             return
         self._read_at = time.monotonic()

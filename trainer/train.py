@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
     parts.mark("devices")
     config = validate(trainer_flags.config_from_flags(), device_count)
     parts.mark("validate")
-    check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// endpoint is one line
+    check_workdir(config.workdir, must_exist=False)  # bounded: an unreachable gs:// or s3:// endpoint is one line
     cache_dir = trainer_flags.COMPILATION_CACHE_DIR.value  # after the checks: bad input creates nothing
     compile_cache.use(compile_cache.default_dir() if cache_dir is None else cache_dir)
     parts.mark("workdir")

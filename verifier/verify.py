@@ -40,7 +40,8 @@ flags.adopt_module_key_flags(distributed)
 
 # The verifier's own flags only: the run's config comes from each manifest, so a trainer flag
 # (--steps, --batch_size, ...) given here is an unknown flag, exit 2, never silently ignored.
-WORKDIR = flags.DEFINE_string("workdir", None, "The trainer's workdir to verify (local path or gs://); read only.")
+WORKDIR = flags.DEFINE_string("workdir", None,
+                              "The trainer's workdir to verify (local path, gs:// or s3://); read only.")
 MESH = flags.DEFINE_string("mesh", "", "The verifier's own mesh, e.g. data=2: it runs on the first that many of "
                            "the visible devices (at most all of them), its other layouts too. Empty: data=<all "
                            "devices>.")

@@ -40,7 +40,7 @@ class Checkpointer:
     """Saves, restores and protects one run's state tree (see the module docstring).
 
     Args:
-      workdir: the run's directory, a local path or gs://.
+      workdir: the run's directory, a local path, gs:// or s3://.
       options: the checkpoint config (cadence, retention, resume precedence, tiers, lease).
       config: the run's whole config as JSON; every manifest records it.
       fixed: names of `config` fields a resume must not change (they shape the state or its numbers).

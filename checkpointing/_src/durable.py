@@ -10,17 +10,19 @@ committed step, a verdict, a lease record) follows one order:
 
 Only after step 3 is the write reported (logged, listed by this process, counted, exit 75).
 
-gs:// has no directories and no rename: an object is durable once its upload returns (GCS
-acknowledges a write only after it is stored redundantly), and it appears whole or not at all.
-Orbax commits a gs:// step by writing its commit marker last, so nothing here applies there.
+Object stores (gs://, s3://) have no directories and no rename: an object is durable once its upload
+returns (GCS and S3 acknowledge a write only after it is stored redundantly), and it appears whole or
+not at all. Orbax commits a step there by writing its commit marker last, so nothing here applies there.
 """
 
 import os
 import uuid
 
+from checkpointing._src import object_store
+
 
 def is_local(path) -> bool:
-    return not str(path).startswith("gs://")
+    return not object_store.is_object_store(path)
 
 
 def sync_file(path) -> None:
@@ -42,7 +44,7 @@ def sync_dir(path) -> None:
 
 def make_dirs(path) -> None:
     """Creates `path` and its missing parents, each made durable by fsyncing its parent once it exists (a
-    file later fsynced inside a directory whose own entry was lost is lost with it). gs://: no directories."""
+    file later fsynced inside a directory whose own entry was lost is lost with it). Object stores: no directories."""
     if not is_local(path):
         return
     path, missing = os.path.abspath(str(path)), []

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from etils import epath
 
 from checkpointing._src import manifest as manifest_lib
-from checkpointing.config import format_mesh
+from checkpointing.config import format_mesh, is_object_store
 from checkpointing._src.workdir import committed_steps, metrics_file, read_manifest
 
 
@@ -141,15 +141,15 @@ def last_attempt_id(workdir: str, tail_bytes: int = 65536) -> int:
 
 
 def read_metrics_lines(workdir: str) -> list[str]:
-    """metrics.jsonl's lines ([] where there is none: a gs:// workdir, or nothing logged yet)."""
-    if workdir.startswith("gs://"):
+    """metrics.jsonl's lines ([] where there is none: an object-store workdir, or nothing logged yet)."""
+    if is_object_store(workdir):
         return []
     path = epath.Path(metrics_file(workdir))
     return path.read_text().splitlines() if path.exists() else []
 
 
 def attempts_from_manifests(manifests: dict[int, dict]) -> list[Attempt]:
-    """Attempts where metrics.jsonl has none (gs://): consecutive manifests that resumed from the same
+    """Attempts where metrics.jsonl has none (an object store): consecutive manifests that resumed from the same
     step belong to one attempt. A manifest's losses of steps before its attempt's start were computed by
     the attempt before (a resume from a local step carries them to the next persistent save): they are
     that attempt's records, so they show how far it got."""
@@ -186,6 +186,6 @@ def read_history(workdir: str, manifests: dict[int, dict] | None = None) -> Hist
         losses.update(manifest_lib.losses(manifests[step]))
         for at, values in ((manifests[step].get("extra") or {}).get("metrics") or {}).items():
             evals[int(at)] = {k: float(v) for k, v in values.items()}
-    if not any(attempt.layout for attempt in attempts):  # none recorded (gs://, a file from before attempts)
+    if not any(attempt.layout for attempt in attempts):  # none recorded (an object store, a file from before attempts)
         attempts = attempts_from_manifests(manifests) or attempts
     return History(dict(sorted(losses.items())), attempts, dict(sorted(evals.items())))

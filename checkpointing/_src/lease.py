@@ -1,14 +1,14 @@
 """One writer per workdir: a lease that names its holder and is renewed while the holder runs.
 
 Layout: <workdir>/lease/<generation>.json, outside <workdir>/checkpoints (Orbax owns that
-directory alone, and on gs:// deletes anything in it without a commit marker). The newest
+directory alone, and on an object store deletes anything in it without a commit marker). The newest
 generation is the lease; the one before it stays as history, older ones are pruned. Taking the
 lease, fresh or over an expired holder, creates generation g+1 exclusively (a hard link on local
-disks, if_generation_match=0 on gs://: lease_store.py), so of two contenders that judged the
+disks, if_generation_match=0 on gs://, If-None-Match on s3://: lease_store.py), so of two contenders that judged the
 same generation g exactly one wins; the winner reads its record back and checks that nothing
 newer exists, so a claim can never land below a newer generation either.
 The holder rewrites its own generation every lease_secs/4 (tmp + os.replace; on gs:// with its
-object generation as the precondition). `check()`, called before each save, reads the newest
+object generation as the precondition, on s3:// its ETag). `check()`, called before each save, reads the newest
 generation again: once it is not ours (a holder that stalled past its expiry was taken over),
 it raises LeaseLostError and the holder must stop writing.
 
@@ -210,7 +210,7 @@ def claim(workdir: str, after_generation: int, lease_secs: float, *, identity: I
     try:
         store.create(generation, record.to_text())
     except Conflict:
-        pass  # on gs:// a retried create can be refused after its first try succeeded: read back
+        pass  # on an object store a retried create can be refused after its first try succeeded: read back
     found = _read(store, generation)
     if found is None or found[0].token != record.token:
         return None

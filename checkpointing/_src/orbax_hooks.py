@@ -1,6 +1,6 @@
 """The Orbax pieces the service plugs in: a manifest written inside the background save, a
-retention policy that spares protected steps, a durable commit on local disks, and a manager that
-asks the caller's preemption decision.
+retention policy that spares protected steps, a durable commit on local disks, a manager that
+asks the caller's preemption decision. Importing it teaches Orbax s3:// (orbax_s3.py).
 
 Kept apart from the service because they lean on Orbax's extension points (one of them private:
 tests/test_service_api.py pins it), so an Orbax upgrade is read here first.
@@ -19,6 +19,7 @@ from orbax.checkpoint._src.metadata import checkpoint as checkpoint_metadata
 from orbax.checkpoint._src.path import async_path, atomicity
 
 from checkpointing._src import durable
+from checkpointing._src import orbax_s3  # noqa: F401  (s3:// as gs://, installed on import)
 from checkpointing._src import marks as marks_lib
 from checkpointing._src import workdir as workdir_lib
 

@@ -155,7 +155,7 @@ def figure(run: Series, *, title: str, reference=None, proof: Proof | None = Non
 
 def draw(run: Series, path: str, *, title: str, reference=None, proof: Proof | None = None,
          crash_label: str = "crash") -> None:
-    """Writes the picture to `path` (local or gs://), PNG or SVG by its extension."""
+    """Writes the picture to `path` (local, gs:// or s3://), PNG or SVG by its extension."""
     buffer = io.BytesIO()
     figure(run, title=title, reference=reference, proof=proof, crash_label=crash_label).savefig(
         buffer, format=path.rsplit(".", 1)[-1].lower())

@@ -50,7 +50,7 @@ _DEFAULT_CONFIG = CheckpointConfig()
 
 
 class CheckpointService:
-    """Saves and restores one run's state tree under `directory`/checkpoints (local path or gs://)."""
+    """Saves and restores one run's state tree under `directory`/checkpoints (local path, gs:// or s3://)."""
 
     def __init__(self, directory: str, config: CheckpointConfig = _DEFAULT_CONFIG, *,
                  run: RunMetadata | None = None, read_only: bool = False,
@@ -123,7 +123,7 @@ class CheckpointService:
         # Orbax checks only its own in-memory step list, then deletes whatever is at the step's path
         # before writing (its checkpointer is always called with force=True): a step another writer
         # committed since this manager listed the directory would be rewritten. One stat in the
-        # usual case; on gs:// an uncommitted leftover of a killed save may still be replaced.
+        # usual case; on an object store an uncommitted leftover of a killed save may still be replaced.
         workdir_lib.fresh_path(self.directory)
         path = workdir_lib.step_dir(self.directory, step)
         if path.exists() and workdir_lib.is_committed(self.directory, step):

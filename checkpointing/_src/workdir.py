@@ -1,4 +1,4 @@
-"""Every path in a run's workdir, named once (local path or gs://):
+"""Every path in a run's workdir, named once (local path, gs:// or s3://: object_store.py):
 
     <workdir>/checkpoints/<step>/state/          the arrays (Orbax, TensorStore)
     <workdir>/checkpoints/<step>/manifest/metadata   the manifest (JSON: fingerprints, losses, config)
@@ -15,7 +15,7 @@ its own holding only that process's local steps (checkpointing/_src/local_tier.p
     <local_dir>/checkpoints/<step>/state/            the shards this process holds
     <local_dir>/checkpoints/<step>/manifest/metadata  the manifest (tier "local", this process's layout)
 
-Orbax owns checkpoints/ alone: on gs:// it treats every directory without a commit marker in its
+Orbax owns checkpoints/ alone: on an object store it treats every directory without a commit marker in its
 root as a killed save and deletes it, which would take verdicts or the lease with it.
 """
 
@@ -27,7 +27,7 @@ import time
 from etils import epath
 
 from checkpointing.config import ConfigError
-from checkpointing._src import durable, reads
+from checkpointing._src import durable, object_store, reads
 from checkpointing.errors import CorruptCheckpointError
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -47,16 +47,8 @@ PROCESS_PLACEHOLDER = "{process}"  # in --local_dir: the process index
 
 
 def fresh_path(directory: str) -> epath.Path:
-    """epath.Path(directory), with any cached gs:// listing dropped first.
-
-    gcsfs caches directory listings per process. A verifier polling for new steps, or a trainer
-    asking which steps are committed after a background save, must see the bucket as it is now.
-    """
-    if str(directory).startswith("gs://"):
-        import fsspec  # only gs:// needs it (installed with the 'gcs' extra)
-
-        for kwargs in ({"finalize_on_close": True}, {}):  # the instances epath and gcsfs users create
-            fsspec.filesystem("gcs", **kwargs).invalidate_cache()
+    """epath.Path(directory), with any cached object-store listing dropped first (object_store.py)."""
+    object_store.drop_cached_listings(directory)
     return epath.Path(directory)
 
 
@@ -97,7 +89,7 @@ def probe_file(workdir: str, step: int) -> epath.Path:
 
 
 def lease_dir(workdir: str) -> str:
-    """A string: the lease store takes gs:// URLs and local paths as they are."""
+    """A string: the lease store takes object-store URLs and local paths as they are."""
     return _join(workdir, LEASE_DIR)
 
 
@@ -131,7 +123,7 @@ class Workdir(str):
     """A run's workdir opened once (its path, so it goes wherever a path does): the committed steps listed
     once and each manifest read once, however many readers of a start-up ask (the restore's candidates, the
     run's identity, `init_from`, the trainer's data and code checks, its status line; each a round trip on
-    gs://). Read only: what the opener itself changes (steps set aside) it says with `changed()`, and once
+    an object store). Read only: what the opener itself changes (steps set aside) it says with `changed()`, and once
     the start-up is over `live()` makes every later answer a fresh read (background commits, retention)."""
 
     def __new__(cls, path: str):
@@ -183,7 +175,9 @@ def _list_committed(directory: str) -> list[int]:
         return []
     import orbax.checkpoint as ocp  # imports JAX: the paths above must not (trainer.config uses them)
 
-    if str(path).startswith("gs://"):  # Orbax checks each step on a thread pool: the round trips overlap
+    from checkpointing._src import orbax_s3  # noqa: F401  (an s3:// step is committed by its marker, as on gs://)
+
+    if object_store.is_object_store(path):  # Orbax checks each step's marker on a thread pool: the round trips overlap
         return sorted(ocp.path.step.checkpoint_steps(path))
     # On a local disk Orbax's check is a name test and a stat, but each call runs it as a coroutine on an
     # event loop of its own (about 1 ms a step here, and a relaunch lists about 8 times): the same test,
@@ -201,6 +195,8 @@ def _finalized_check(path):
     import orbax.checkpoint as ocp
     from orbax.checkpoint._src.path import atomicity, atomicity_defaults
 
+    from checkpointing._src import orbax_s3  # noqa: F401  (as above)
+
     if issubclass(atomicity_defaults.get_default_temporary_path_class(path), atomicity.AtomicRenameTemporaryPath):
         return lambda entry: atomicity.TMP_DIR_SUFFIX not in entry.name and entry.is_dir()
     return ocp.path.step.is_path_finalized
@@ -213,7 +209,7 @@ def _step_named(name: str) -> bool:
 def linked_steps(directory: str) -> dict[str, str]:
     """{path: target} of the entries of a local `directory`'s checkpoints/ that are symbolic links."""
     path = checkpoints_dir(directory)
-    if str(directory).startswith("gs://") or not path.is_dir():
+    if object_store.is_object_store(directory) or not path.is_dir():
         return {}
     return {str(entry): os.readlink(entry) for entry in path.iterdir() if os.path.islink(entry)}
 
@@ -242,10 +238,10 @@ def move_aside(directory: str, steps: list[int], *, only_present: bool = False) 
 def remove_killed_saves(directory: str) -> list[str]:
     """Removes the temporary step directories of saves that never committed (killed, or failed on a full disk)
     from a local `directory`; returns their names. Only a writer about to hold the workdir calls it: Orbax does
-    the same once a writer opens it, but a disk those saves filled would refuse the lease first. On gs:// there
-    is no directory to fill, and Orbax alone judges what is uncommitted there."""
+    the same once a writer opens it, but a disk those saves filled would refuse the lease first. On an object
+    store there is no directory to fill, and Orbax alone judges what is uncommitted there."""
     path = checkpoints_dir(directory)
-    if str(directory).startswith("gs://") or not path.is_dir():
+    if object_store.is_object_store(directory) or not path.is_dir():
         return []
     from orbax.checkpoint._src.path import atomicity  # imports JAX, as above
 
