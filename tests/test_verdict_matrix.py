@@ -144,6 +144,18 @@ def test_one_wrong_input_element_fails_the_save_after_it_on_the_recording_layout
     assert found.exit_code == 1
 
 
+def test_one_wrong_input_element_fails_the_save_after_it_on_another_layout(tmp_path):
+    """Issue 56's silent corruption: one input element of step 15 times (1 + 1e-3), on data=2. Its effect lies
+    beyond the ensemble's bound (it passed at 5.45x while the perturbation's floor was 16 ulps)."""
+    config = helpers.small_config(str(tmp_path / "run"), **{**RUN, "steps": 20})
+    faulty_loop.train(config, faulty_loop.Fault("corrupt_input", 1e-3, at_step=15, every=29))
+    found = verdict_runs.verify(config.workdir, "data=2")
+    assert statuses(found) == {10: ("reproduced", "pass"), 20: ("reproduced", "fail")}, [
+        s.detail for s in found.steps.values()]
+    assert found.steps[20].ratio > MARGIN and found.steps[10].ratio <= MARGIN
+    assert found.exit_code == 1
+
+
 @pytest.mark.parametrize("mesh, size", [(RECORDING, 1e-6), ("data=2", 1e-2)])
 def test_a_silent_corruption_between_two_saves_fails_the_save_after_it(tmp_path, mesh, size):
     """One kernel element times (1 + size) after step 15 of 20: the save of 20 holds what the loop computed
