@@ -1,11 +1,11 @@
 """When a replay's difference from the record is evidence: beyond the noise of a layout change, measured for
 this run and this interval, times MARGIN. One owner for the rule a cross-layout verdict rests on.
 
-The verifier replays an interval on its own layout and on another layout of its own devices (a third where
-a first judgement finds evidence: verifier/layouts.py). Mathematically the replays are one computation; in
-floats they differ by the rounding of another reduction order: that is the noise, measured here per
-quantity and pair of replays, never declared. For each recorded quantity (a loss, a leaf of the state, a
-leaf's probe sum and norm):
+The verifier replays an interval on its own layout and as two members perturbed at the rounding level, one on
+another layout and one on its own (verifier/ensemble.py, verifier/perturb.py; one more member confirms evidence
+before a step fails). Mathematically the replays are one computation; in floats they spread as far as rounding can carry
+an execution: that is the noise, measured here per quantity and pair of replays, never declared. For each
+recorded quantity (a loss, a leaf of the state, a leaf's probe sum and norm):
 
     distance = |recorded - replay on the verifier's layout|       (a norm, for a leaf)
     noise    = the largest |replay_i - replay_j|, at least FLOOR_ULPS of the quantity's dtype (two
@@ -20,12 +20,11 @@ decide a verdict alone; the losses and the leaves that carry signal do. A quanti
 own scale cannot tell a broken value from a good one either: when no quantity can decide, the proof is
 inconclusive, not passed. Integer leaves (the step, Adam's count) are exact on every layout.
 
-MARGIN is 100, between what the acceptance matrix of docs/verifier.md measured both ways (45 genuine runs of
-8 families, 3 seeds, verified on data=2 and data=2,model=4; 40 broken runs): a genuine full proof came within
-3.3x the noise, a genuine cheap proof within 55x (its per-leaf sums of small leaves are few-sample statistics;
-one pair of replays is one sample of a spread, which is why evidence is confirmed on a third layout before it
-fails a step), and every broken run lay beyond 1.06e3 (one leaf x (1 + 1e-3 noise)), most beyond 10^4. A silent
-corruption is caught across layouts from about 6e-3 of one element; on the recording layout from its last bit.
+MARGIN is 10, between what the acceptance matrix of docs/verifier.md measured both ways (63 genuine runs of 7
+families, intervals 10-100, recorded on 3 layouts, verified on 1-8 devices; 24 broken runs on data=2): a genuine
+proof came within 5.3x the spread of its ensemble (a transformer's cheap proof), and every broken run lay beyond
+58 (one input element x (1 + 1e-3) at one step), most beyond 10^3. On the recording layout a corruption fails
+from its last bit.
 """
 
 import dataclasses
