@@ -1,5 +1,6 @@
 """Eight fake CPU devices, set before JAX is imported anywhere in the test process; shared fixtures."""
 
+import contextlib
 import os
 
 os.environ["XLA_FLAGS"] = " ".join(
@@ -92,14 +93,8 @@ def gcs_env():
 
     server, env = gcs_emulator.start(helpers.BUCKET, cwd=helpers.REPO_ROOT, env=helpers.subprocess_env())
     try:
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)  # for the in-process reads of the tests (gcsfs, epath)
-        yield env
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        with _environ(env):  # for the in-process reads of the tests (gcsfs, epath)
+            yield env
     finally:
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
@@ -114,19 +109,28 @@ def s3_env():
 
     server, env = s3_server.start(helpers.BUCKET, cwd=helpers.REPO_ROOT, env=helpers.subprocess_env())
     try:
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)  # for the in-process reads of the tests (s3fs, epath, the lease store)
+        with _environ(env):  # for the in-process reads of the tests (s3fs, epath, the lease store)
+            _forget_s3_clients()
+            yield env
+    finally:
         _forget_s3_clients()
-        yield env
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    """os.environ with `env` set inside, as it was outside."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    finally:
-        _forget_s3_clients()
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=30)
 
 
 def _forget_s3_clients() -> None:

@@ -46,21 +46,27 @@ def _assert_scaling(measured: dict[int, dict]) -> None:
             f"{piece}: {per_small:g} requests per process with {SMALL} hosts, {per_large:g} with {LARGE}")
 
 
+def _assert_object_store_requests(measured) -> None:
+    """What a bucket's pieces cost, GCS's and S3's alike: none grows per host; a lease renewal and check take the
+    requests named; one pass over the committed steps (the directory, then each step's commit marker) grows with
+    the retained steps, never the hosts."""
+    _assert_scaling(measured)
+    for hosts, rows in measured.items():
+        assert rows["lease_renewal"].by_op == {"list": 1, "read": 1, "write": 1}, "a renewal: list, read, rewrite"
+        assert rows["lease_check"].by_op == {"list": 1, "read": 1}, "the check before a save: list, read"
+        listing = rows["listing"]
+        assert not (listing.per_caller > 4 + 3 * STEPS), f"{hosts} hosts: {listing.per_caller:g} requests per listing"
+
+
 def test_on_gcs_no_piece_grows_per_host_and_the_primary_pieces_are_constant(gcs_env):
     from benchmarks import scale_protocol
     from tests import helpers
 
     url = gcs_env["STORAGE_EMULATOR_HOST"]
     measured = _simulate(helpers.gs_workdir("scale"), lambda threads: scale_protocol.GcsRequests(url))
-    _assert_scaling(measured)
+    _assert_object_store_requests(measured)
     for hosts, rows in measured.items():
-        assert rows["lease_renewal"].by_op == {"list": 1, "read": 1, "write": 1}, "a renewal: list, read, rewrite"
-        assert rows["lease_check"].by_op == {"list": 1, "read": 1}, "the check before a save: list, read"
-        # One pass over the committed steps: the directory, then each step's commit marker; the hosts
-        # do not appear in it, the retained steps do.
-        listing = rows["listing"]
-        assert not (listing.per_caller > 4 + 3 * STEPS), f"{hosts} hosts: {listing.per_caller:g} requests per listing"
-        assert listing.by_op["list"] >= hosts, "every process lists the checkpoints once"
+        assert rows["listing"].by_op["list"] >= hosts, "every process lists the checkpoints once"
 
 
 def test_on_s3_no_piece_grows_per_host_and_the_lease_takes_the_same_requests_as_on_gcs(s3_env):
@@ -69,12 +75,7 @@ def test_on_s3_no_piece_grows_per_host_and_the_lease_takes_the_same_requests_as_
 
     url = s3_env["AWS_ENDPOINT_URL"]
     measured = _simulate(helpers.s3_workdir("scale"), lambda threads: scale_protocol.S3Requests(url))
-    _assert_scaling(measured)
-    for hosts, rows in measured.items():
-        assert rows["lease_renewal"].by_op == {"list": 1, "read": 1, "write": 1}, "a renewal: list, read, rewrite"
-        assert rows["lease_check"].by_op == {"list": 1, "read": 1}, "the check before a save: list, read"
-        listing = rows["listing"]
-        assert not (listing.per_caller > 4 + 3 * STEPS), f"{hosts} hosts: {listing.per_caller:g} requests per listing"
+    _assert_object_store_requests(measured)
 
 
 def test_on_a_local_disk_each_process_lists_once_and_reads_one_manifest(tmp_path):
