@@ -13,11 +13,8 @@ emulator unchanged (in memory, one request at a time, so a check-then-write is a
 import argparse
 import http.server
 import json
-import os
 import re
 import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 from http import HTTPStatus
@@ -137,24 +134,10 @@ def start(bucket: str, *, cwd: str, env: dict[str, str] | None = None, output=su
           new_session: bool = False, timeout: float = 30) -> tuple[subprocess.Popen, dict[str, str]]:
     """This server on a free port of 127.0.0.1, answering: (its process, which the caller stops by PID,
     and the environment that points TensorStore and gcsfs at it)."""
-    from launch.pod import free_port
+    from tests import helpers
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "tests.gcs_emulator", f"--port={port}", f"--bucket={bucket}"],
-                              cwd=cwd, env=env or dict(os.environ), stdout=output, stderr=subprocess.STDOUT,
-                              start_new_session=new_session)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url + "/", timeout=1)
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                server.wait(timeout=30)
-                raise RuntimeError("the GCS emulator did not start") from None
-            time.sleep(0.1)
+    server, url = helpers.start_test_server("tests.gcs_emulator", bucket, "/", "GCS emulator", cwd=cwd, env=env,
+                                            output=output, new_session=new_session, timeout=timeout)
     return server, {"TENSORSTORE_GCS_HTTP_URL": url, "STORAGE_EMULATOR_HOST": url, "GOOGLE_CLOUD_PROJECT": "test",
                     # The emulator has no bucket-type (gRPC control) API: gcsfs would wait 60 s per bucket.
                     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}

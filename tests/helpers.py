@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import jax
 import numpy as np
@@ -304,3 +305,27 @@ def pod_results(child_module: str, num_processes: int, devices_per_process: int,
             results[int(index.lstrip("["))] = json.loads(text)
     assert sorted(results) == list(range(num_processes)), output.getvalue()[-3000:]
     return results
+
+
+def start_test_server(module: str, bucket: str, ready: str, name: str, *, cwd: str, env: dict[str, str] | None,
+                      output, new_session: bool, timeout: float, method: str = "GET") -> tuple[subprocess.Popen, str]:
+    """`python -m module --port=P --bucket=bucket` on a free port of 127.0.0.1, once `ready` (a path on it) answers:
+    (its process, which the caller stops by PID, and its URL). One that exits or stays silent is killed first."""
+    from launch.pod import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", module, f"--port={port}", f"--bucket={bucket}"],
+                              cwd=cwd, env=env or dict(os.environ), stdout=output, stderr=subprocess.STDOUT,
+                              start_new_session=new_session)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + ready, method=method), timeout=1).close()
+            return server, url
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                server.wait(timeout=30)
+                raise RuntimeError(f"the {name} did not start") from None
+            time.sleep(0.1)

@@ -21,9 +21,7 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
-import time
 import urllib.parse
 import urllib.request
 
@@ -190,24 +188,10 @@ def start(bucket: str, *, cwd: str, env: dict[str, str] | None = None, output=su
           new_session: bool = False, timeout: float = 30) -> tuple[subprocess.Popen, dict[str, str]]:
     """This server on a free port of 127.0.0.1 with `bucket` made, answering: (its process, which the caller
     stops by PID, and the environment that points the clients at it)."""
-    from launch.pod import free_port
+    from tests import helpers
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "tests.s3_server", f"--port={port}", f"--bucket={bucket}"],
-                              cwd=cwd, env=env or dict(os.environ), stdout=output, stderr=subprocess.STDOUT,
-                              start_new_session=new_session)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(urllib.request.Request(f"{url}/{bucket}", method="HEAD"), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                server.wait(timeout=30)
-                raise RuntimeError("the S3 server did not start") from None
-            time.sleep(0.1)
+    server, url = helpers.start_test_server("tests.s3_server", bucket, f"/{bucket}", "S3 server", cwd=cwd, env=env,
+                                            output=output, new_session=new_session, timeout=timeout, method="HEAD")
     return server, client_env(url)
 
 
