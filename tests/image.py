@@ -18,6 +18,7 @@ code is the command's.
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -33,6 +34,9 @@ TOOLS = ("podman", "debootstrap", "unshare", "chroot")
 NETWORK_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf")
 # The build may not raise the open-file and process limits it inherits; these are what it needs.
 ULIMITS = ("nofile=20000:20000", "nproc=32768:32768")
+# podman's message when the kernel will not seal its re-executed binary (transient; see build()).
+_SEAL_REFUSED = "sealing memfd copy: Device or resource busy"
+BUILD_ATTEMPTS = 3
 # Run in a fresh mount namespace (and network namespace) as root, then exec'd into the chroot:
 # the image's files as the read-only lower layer of an overlay whose upper layer is this run's own
 # (what a container engine gives each container), /proc and /dev bound in, and the test's
@@ -64,14 +68,22 @@ def build(log_path: str, tag: str = TAG, timeout: float = 900) -> float:
     with open(log_path, "w") as log:
         base = subprocess.run(["bash", "tests/image_base.sh", BASE], cwd=helpers.REPO_ROOT, stdout=log,
                               stderr=subprocess.STDOUT, timeout=timeout)
-        assert base.returncode == 0, _tail(log_path)
-        start = time.monotonic()
-        result = subprocess.run(
-            ["podman", "build", "--isolation", "chroot", "--pull=never", *(f"--ulimit={u}" for u in ULIMITS),
-             *(f"--volume={path}:{path}:ro" for path in NETWORK_FILES if os.path.isfile(path)),
-             "-f", "docker/Dockerfile", "--ignorefile", "docker/Dockerfile.dockerignore",
-             "--build-arg", "JAX_EXTRA=cpu", "-t", tag, "."],
-            cwd=helpers.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    assert base.returncode == 0, _tail(log_path)
+    start = time.monotonic()
+    for attempt in range(1, BUILD_ATTEMPTS + 1):
+        with open(log_path, "a") as log:
+            result = subprocess.run(
+                ["podman", "build", "--isolation", "chroot", "--pull=never", *(f"--ulimit={u}" for u in ULIMITS),
+                 *(f"--volume={path}:{path}:ro" for path in NETWORK_FILES if os.path.isfile(path)),
+                 "-f", "docker/Dockerfile", "--ignorefile", "docker/Dockerfile.dockerignore",
+                 "--build-arg", "JAX_EXTRA=cpu", "-t", tag, "."],
+                cwd=helpers.REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        if result.returncode == 0 or _SEAL_REFUSED not in _tail(log_path):
+            break
+        # podman's own start-up, not the Dockerfile: the kernel may refuse (EBUSY) to seal the
+        # in-memory copy of its binary that a RUN step re-executes. The layers built so far are
+        # cached, so the next attempt resumes at that step.
+        logging.warning("podman build attempt %d of %d: %s; building again", attempt, BUILD_ATTEMPTS, _SEAL_REFUSED)
     assert result.returncode == 0, f"podman build failed:\n{_tail(log_path)}"
     return time.monotonic() - start
 
