@@ -175,6 +175,24 @@ def test_a_pod_on_s3_killed_after_a_commit_resumes_on_four_processes_and_every_s
         "workdir": workdir, "step": 10, "digest": read_manifest(workdir, 10)["digest"]}
 
 
+@pytest.mark.slow
+def test_a_following_verifier_started_before_the_run_proves_every_step_the_run_commits_on_s3(s3_env, tmp_path):
+    """`verify --follow` on an s3:// workdir that does not exist yet: S3 has no directory times to watch, so
+    it lists on its backoff, and proves each step the trainer commits, then exits 0 at the final one."""
+    from checkpointing._src import verdicts
+
+    workdir = helpers.s3_workdir("follow")
+    log_path = tmp_path / "verifier.log"
+    with helpers.started_module("verifier.verify", f"--workdir={workdir}", "--mesh=data=2", "--follow",
+                                "--poll_secs=0.2", "--max_poll_secs=1", device_count=2, log_path=str(log_path),
+                                **s3_env) as verifier:
+        trained = helpers.run_module("trainer.train", f"--workdir={workdir}", "--steps=30", *TRAIN, **s3_env)
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        assert verifier.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+    assert [(s, v["level"], v["status"]) for s, v in verdicts.read_all(workdir).items()] == [
+        (10, "reproduced", "pass"), (20, "reproduced", "pass"), (30, "reproduced", "pass")]
+
+
 # --- one writer per workdir: the lease on S3's conditional writes -----------------------------------
 
 @pytest.mark.slow
