@@ -262,3 +262,51 @@ def test_cancelled_or_bad_input_jobs_are_not_requeued(cluster, tmp_path):
         for job in (cancelled, bad):
             if job is not None:
                 cluster.run("scancel", str(job), check=False)
+
+
+def test_a_job_on_an_s3_workdir_requeues_itself_resumes_equal_to_the_uninterrupted_run_and_is_proved(
+        cluster, uninterrupted, s3_env, tmp_path):
+    """The recipe with --workdir=s3://: srun passes the job's AWS variables on to every task, the lease and
+    the checkpoints live on the S3 server, and a time-limit signal requeues the job, which resumes there."""
+    workdir = helpers.s3_workdir("slurm")
+    output = tmp_path / "train.out"
+    train = verify = None
+    try:
+        train = cluster.sbatch(
+            TRAIN_SBATCH, f"--workdir={workdir}", *TRAIN, cwd=str(tmp_path),
+            options=["--nodes=1", "--ntasks=2", "--ntasks-per-node=2", f"--output={output}", "--time=15"],
+            env=job_env(CKPT_REPO=helpers.REPO_ROOT, CKPT_CPU_DEVICES_PER_TASK="4", **s3_env))
+        verify = cluster.sbatch(
+            VERIFY_SBATCH, f"--workdir={workdir}", "--mesh=data=2", "--once", cwd=helpers.REPO_ROOT,
+            options=[f"--dependency=afterany:{train}", f"--output={tmp_path / 'verify.out'}", "--time=15"],
+            env=job_env(CKPT_CPU_DEVICES_PER_TASK="2", **s3_env))
+
+        wait_for(lambda: committed_steps(workdir), 180, "the first checkpoint on S3")
+        cluster.run("scancel", "--signal=TERM", str(train))
+        wait_requeued(cluster, train, 1)
+        saved = committed_steps(workdir)[-1]
+        assert saved < STEPS - 1, "the signal must land mid-run"
+        start_now(cluster, train)
+
+        fields = cluster.wait_for_state(train, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
+        text = output.read_text()
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:] + cluster.log_tail()
+        parts = instances(text)
+        assert len(parts) == 2 and fields["Restarts"] == "1", text[-4000:]
+        assert preempted_steps(parts[0]) == [saved, saved], parts[0][-3000:]
+        assert f"resumed from step {saved} " in parts[1], parts[1][-3000:]
+        assert recorded_losses(workdir) == uninterrupted, "same mesh, same process count: bit-identical"
+
+        fields = cluster.wait_for_state(verify, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
+        verify_text = (tmp_path / "verify.out").read_text()
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", \
+            verify_text[-4000:] + cluster.log_tail()
+        found = verdicts.read_all(workdir)
+        assert sorted(found) == committed_steps(workdir), (sorted(found), committed_steps(workdir))
+        assert all(v["status"] == "pass" for v in found.values()), {s: v for s, v in found.items()
+                                                                     if v["status"] != "pass"}
+        wait_for(lambda: not cluster.leftover_processes(), 30, "every job process to exit", poll=0.2)
+    finally:
+        for job in (train, verify):
+            if job is not None:
+                cluster.run("scancel", str(job), check=False)
