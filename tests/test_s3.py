@@ -251,13 +251,16 @@ def test_a_store_that_ignores_conditional_writes_is_refused_before_anything_is_s
     ("verifier.verify", ["--mesh=data=2", "--once"]),
     ("trainer.train", ["--mesh=data=2", "--batch_size=32", "--steps=10"]),
 ])
-def test_an_unreachable_s3_endpoint_is_one_line_naming_it_after_the_storage_timeout(module, flags):
+def test_an_unreachable_s3_endpoint_is_one_line_naming_it_within_the_storage_timeout(module, flags):
+    """Refused connections are retried with random backoff (4-12 s in four tries here, now and then under
+    3 s): the line comes either from the timeout or from the refusal once those retries are spent."""
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     env = {**s3_server.client_env(url)}
     result = helpers.run_module(module, "--workdir=s3://bucket/run", "--storage_timeout_secs=3", *flags,
                                 device_count=2, timeout=120, **env)
     line = helpers.fault_line(result, exit_codes.FAILURE)
-    assert line == f"error: --workdir=s3://bucket/run: endpoint {url} unreachable (no answer within 3s)", line
+    assert line in (f"error: --workdir=s3://bucket/run: endpoint {url} unreachable (no answer within 3s)",
+                    f"error: --workdir=s3://bucket/run: endpoint {url} unreachable"), line
     assert len(result.stderr.strip().splitlines()) <= 3, result.stderr
 
 
