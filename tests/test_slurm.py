@@ -156,6 +156,20 @@ def start_now(cluster, job: int) -> None:
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
 
 
+def verifier_job_proved_every_step(cluster, job: int, workdir: str, output) -> str:
+    """Waits for the verifier job to end; asserts it completed with exit 0, gave every committed step a
+    passing verdict, and left no process behind. Returns its output."""
+    fields = cluster.wait_for_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
+    text = output.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", text[-4000:] + cluster.log_tail()
+    found = verdicts.read_all(workdir)
+    assert sorted(found) == committed_steps(workdir), (sorted(found), committed_steps(workdir))
+    assert all(v["status"] == "pass" for v in found.values()), {s: v for s, v in found.items()
+                                                                 if v["status"] != "pass"}
+    wait_for(lambda: not cluster.leftover_processes(), 30, "every job process to exit", poll=0.2)
+    return text
+
+
 def test_requeued_training_job_resumes_and_equals_the_uninterrupted_run_then_the_verifier_job_passes(
         cluster, uninterrupted, tmp_path):
     workdir = str(tmp_path / "run")
@@ -216,16 +230,8 @@ def test_requeued_training_job_resumes_and_equals_the_uninterrupted_run_then_the
         assert recorded_losses(workdir) == uninterrupted, "same mesh, same process count: bit-identical"
 
         # 3. The verifier job started only now (afterany waits through requeues) and proves every step.
-        fields = cluster.wait_for_state(verify, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
-        verify_text = (tmp_path / "verify.out").read_text()
-        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", \
-            verify_text[-4000:] + cluster.log_tail()
+        verify_text = verifier_job_proved_every_step(cluster, verify, workdir, tmp_path / "verify.out")
         assert "verifier done: srun exit 0 -> exit 0" in verify_text
-        found = verdicts.read_all(workdir)
-        assert sorted(found) == committed_steps(workdir), (sorted(found), committed_steps(workdir))
-        assert all(v["status"] == "pass" for v in found.values()), {s: v for s, v in found.items()
-                                                                     if v["status"] != "pass"}
-        wait_for(lambda: not cluster.leftover_processes(), 30, "every job process to exit", poll=0.2)
     finally:
         for job in (train, verify):
             if job is not None:
@@ -297,15 +303,7 @@ def test_a_job_on_an_s3_workdir_requeues_itself_resumes_equal_to_the_uninterrupt
         assert f"resumed from step {saved} " in parts[1], parts[1][-3000:]
         assert recorded_losses(workdir) == uninterrupted, "same mesh, same process count: bit-identical"
 
-        fields = cluster.wait_for_state(verify, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}, 240)
-        verify_text = (tmp_path / "verify.out").read_text()
-        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", \
-            verify_text[-4000:] + cluster.log_tail()
-        found = verdicts.read_all(workdir)
-        assert sorted(found) == committed_steps(workdir), (sorted(found), committed_steps(workdir))
-        assert all(v["status"] == "pass" for v in found.values()), {s: v for s, v in found.items()
-                                                                     if v["status"] != "pass"}
-        wait_for(lambda: not cluster.leftover_processes(), 30, "every job process to exit", poll=0.2)
+        verifier_job_proved_every_step(cluster, verify, workdir, tmp_path / "verify.out")
     finally:
         for job in (train, verify):
             if job is not None:
